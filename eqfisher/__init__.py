@@ -1,0 +1,1 @@
+"""eqfisher: curvature for Equinox models."""
