@@ -1,0 +1,123 @@
+"""Every JAX-internal detail eqfisher relies on, in one place.
+
+Tested on jax 0.9.x and 0.10.x. Keep this module small: the rest of eqfisher talks to
+jaxprs only through the names defined here.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend as jex
+from jax.interpreters import ad, batching, mlir
+
+
+Var = jex.core.Var
+Literal = jex.core.Literal
+Jaxpr = jex.core.Jaxpr
+ClosedJaxpr = jex.core.ClosedJaxpr
+Primitive = jex.core.Primitive
+JaxprEqn = jex.core.JaxprEqn
+
+# Higher-order primitives whose body eqfisher may inline, with the parameter that holds
+# the body. `jit` was called `pjit` before jax 0.7; `remat2` is `jax.checkpoint`.
+CALL_BODIES = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+}
+CUSTOM_DERIVATIVE_CALLS = frozenset(
+    {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+)
+
+
+def make_jaxpr(fn: Callable, *args: Any) -> tuple[Jaxpr, list[Any]]:
+    """Traces `fn(*args)`; returns the open jaxpr and the values of its constvars."""
+    closed = jax.make_jaxpr(fn)(*args)
+    return closed.jaxpr, list(closed.consts)
+
+
+def call_body(eqn: JaxprEqn) -> tuple[Jaxpr, list[Any]] | None:
+    """The body of a call-like equation as `(jaxpr, consts)`, or None."""
+    key = CALL_BODIES.get(eqn.primitive.name)
+    if key is None or key not in eqn.params:
+        return None
+    body = eqn.params[key]
+    # A ClosedJaxpr has `.jaxpr` and `.consts`; a bare Jaxpr (remat2) has neither.
+    # From jax 0.11 the two classes merge: a Jaxpr then carries its own consts.
+    inner = getattr(body, "jaxpr", body)
+    consts = list(getattr(body, "consts", ()))
+    if len(consts) != len(inner.constvars):
+        return None
+    return inner, consts
+
+
+def is_literal(atom: Any) -> bool:
+    return isinstance(atom, Literal)
+
+
+def literal_value(atom: Any) -> Any:
+    return atom.val
+
+
+def eqn_evaluator(eqn: JaxprEqn) -> Callable[..., list[Any]]:
+    """A function evaluating one equation on the values of its non-literal invars.
+
+    The equation is wrapped in a one-equation closed jaxpr and run with
+    `jaxpr_as_fun`: this works unchanged for first-order primitives and for `jit`,
+    `remat2`, `custom_jvp_call`, `custom_vjp_call`, `scan`, `cond` and `while`,
+    without re-binding higher-order primitives by hand (what broke kfac_jax on 0.10).
+    The returned function takes the values of `unique_invars(eqn)` in order.
+    """
+    invars = unique_invars(eqn)
+    jaxpr = Jaxpr([], invars, list(eqn.outvars), [eqn], eqn.effects)
+    return jex.core.jaxpr_as_fun(ClosedJaxpr(jaxpr, []))
+
+
+def unique_invars(eqn: JaxprEqn) -> list[Var]:
+    seen: set[int] = set()
+    out = []
+    for v in eqn.invars:
+        if is_literal(v) or id(v) in seen:
+            continue
+        seen.add(id(v))
+        out.append(v)
+    return out
+
+
+def is_drop_var(v: Any) -> bool:
+    return isinstance(v, jex.core.DropVar)
+
+
+def define_identity_primitive(
+    name: str, jvp_rule: Callable, batch_rule: Callable
+) -> Primitive:
+    """A primitive returning its first operand; the others are carried metadata."""
+    prim = Primitive(name)
+    prim.def_impl(lambda x, *rest, **params: x)
+    prim.def_abstract_eval(lambda x, *rest, **params: x)
+    ad.primitive_jvps[prim] = jvp_rule
+    batching.primitive_batchers[prim] = batch_rule
+    mlir.register_lowering(
+        prim, mlir.lower_fun(lambda x, *rest, **params: x, multiple_results=False)
+    )
+    return prim
+
+
+def instantiate_zeros(tangent: Any) -> Any:
+    return ad.instantiate_zeros(tangent)
+
+
+def move_batch_axis(x: Any, bdim: Any, size: int) -> Any:
+    """Moves a vmapped operand's batch axis to 0, broadcasting unbatched ones."""
+    return batching.bdim_at_front(x, bdim, size)
+
+
+def atoms_shapes(atoms: Sequence[Any]) -> list[tuple[int, ...]]:
+    return [tuple(a.aval.shape) for a in atoms]

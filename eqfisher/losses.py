@@ -1,0 +1,300 @@
+"""Loss registration: the loss functions users call, and the loss families behind them.
+
+A registered loss does two things at once: it returns the scalar loss (the mean over
+every leading axis of a per-example loss, or the mask-weighted mean) and it puts a
+*loss tag* on its input. The tag is an identity primitive, invisible to values and to
+every derivative, that marks for eqfisher's tracer which array the model outputs, which
+loss family sits on top of it, the targets, and the per-example weights.
+"""
+
+import abc
+
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, Shaped
+
+from . import _compat
+
+
+class AbstractLossFamily(eqx.Module):
+    """The distribution a registered loss is the negative log-likelihood of.
+
+    Inputs have shape `(*leading, outputs)`: every leading axis indexes examples (or
+    tokens), the last axis is the output the loss sums over. Per-example quantities
+    keep the leading axes.
+    """
+
+    name: eqx.AbstractClassVar[str]
+
+    @abc.abstractmethod
+    def per_example(
+        self, inputs: Float[Array, "*leading out"], targets: Shaped[Array, "..."]
+    ) -> Float[Array, "*leading"]:
+        """The loss of each example (summed over the output axis)."""
+
+    @abc.abstractmethod
+    def sample(
+        self, key: PRNGKeyArray, inputs: Float[Array, "*leading out"]
+    ) -> Shaped[Array, "..."]:
+        """Targets drawn from the model's predictive distribution."""
+
+    @abc.abstractmethod
+    def sqrt_hessian(
+        self, inputs: Float[Array, "*leading out"]
+    ) -> Float[Array, "*leading out k"]:
+        """A factor S with S Sᵀ = the per-example Hessian of the loss in its inputs."""
+
+    @abc.abstractmethod
+    def check_targets(self, inputs: Array, targets: Array, caller: str) -> None:
+        """Raises `TypeError`/`ValueError` when `targets` do not fit `inputs`."""
+
+    def output_gradient(
+        self, inputs: Float[Array, "*leading out"], targets: Shaped[Array, "..."]
+    ) -> Float[Array, "*leading out"]:
+        """The gradient of each example's loss with respect to its own inputs."""
+        # Examples are independent, so the gradient of the sum is per-example.
+        return jax.grad(lambda z: jnp.sum(self.per_example(z, targets)))(inputs)
+
+    def hessian_mv(
+        self, inputs: Float[Array, "*leading out"], vector: Float[Array, "*leading out"]
+    ) -> Float[Array, "*leading out"]:
+        """The per-example loss Hessian applied to `vector` (per example)."""
+        s = self.sqrt_hessian(inputs)
+        return jnp.einsum("...ik,...jk,...j->...i", s, s, vector)
+
+
+class Categorical(AbstractLossFamily):
+    """Softmax cross-entropy; targets are class ids or probability vectors."""
+
+    name = "categorical"
+
+    def per_example(self, inputs, targets):
+        log_p = jax.nn.log_softmax(inputs, axis=-1)
+        if jnp.issubdtype(targets.dtype, jnp.integer):
+            return -jnp.take_along_axis(log_p, targets[..., None], axis=-1)[..., 0]
+        return -jnp.sum(targets * log_p, axis=-1)
+
+    def sample(self, key, inputs):
+        return jax.random.categorical(key, inputs, axis=-1)
+
+    def sqrt_hessian(self, inputs):
+        # H = diag(p) - p pᵀ = S Sᵀ with S = diag(√p) - p √pᵀ (uses Σ p = 1).
+        p = jax.nn.softmax(inputs, axis=-1)
+        sqrt_p = jnp.sqrt(p)
+        eye = jnp.eye(p.shape[-1], dtype=p.dtype)
+        return eye * sqrt_p[..., None, :] - p[..., :, None] * sqrt_p[..., None, :]
+
+    def check_targets(self, inputs, targets, caller):
+        if jnp.issubdtype(targets.dtype, jnp.integer):
+            if targets.shape != inputs.shape[:-1]:
+                raise ValueError(
+                    f"`{caller}(logits, labels)`: integer `labels` must have shape "
+                    f"logits.shape[:-1] = {inputs.shape[:-1]}, got {targets.shape}."
+                )
+        elif jnp.issubdtype(targets.dtype, jnp.floating):
+            if targets.shape != inputs.shape:
+                raise ValueError(
+                    f"`{caller}(logits, labels)`: probability `labels` must have the "
+                    f"shape of `logits` {inputs.shape}, got {targets.shape}."
+                )
+        else:
+            raise TypeError(
+                f"`{caller}(logits, labels)`: `labels` must be integer class ids or "
+                f"float probabilities, got dtype {targets.dtype}."
+            )
+
+
+class Bernoulli(AbstractLossFamily):
+    """Sigmoid cross-entropy, summed over independent binary outputs."""
+
+    name = "bernoulli"
+
+    def per_example(self, inputs, targets):
+        targets = targets.astype(inputs.dtype)
+        return jnp.sum(jax.nn.softplus(inputs) - targets * inputs, axis=-1)
+
+    def sample(self, key, inputs):
+        return jax.random.bernoulli(key, jax.nn.sigmoid(inputs)).astype(inputs.dtype)
+
+    def sqrt_hessian(self, inputs):
+        p = jax.nn.sigmoid(inputs)
+        sqrt_h = jnp.sqrt(p * (1 - p))
+        return jnp.eye(p.shape[-1], dtype=p.dtype) * sqrt_h[..., None, :]
+
+    def check_targets(self, inputs, targets, caller):
+        if targets.shape != inputs.shape:
+            raise ValueError(
+                f"`{caller}(logits, targets)`: `targets` must have the shape of "
+                f"`logits` {inputs.shape}, got {targets.shape}."
+            )
+
+
+class Gaussian(AbstractLossFamily):
+    """Squared error ½‖y − t‖², the negative log-likelihood of a unit Gaussian."""
+
+    name = "gaussian"
+
+    def per_example(self, inputs, targets):
+        return 0.5 * jnp.sum(jnp.square(inputs - targets.astype(inputs.dtype)), -1)
+
+    def sample(self, key, inputs):
+        return inputs + jax.random.normal(key, inputs.shape, inputs.dtype)
+
+    def sqrt_hessian(self, inputs):
+        eye = jnp.eye(inputs.shape[-1], dtype=inputs.dtype)
+        return jnp.broadcast_to(eye, inputs.shape + inputs.shape[-1:])
+
+    def check_targets(self, inputs, targets, caller):
+        if targets.shape != inputs.shape:
+            raise ValueError(
+                f"`{caller}(predictions, targets)`: `targets` must have the shape of "
+                f"`predictions` {inputs.shape}, got {targets.shape}."
+            )
+
+
+def _tag_jvp(primals, tangents, *, family):
+    inputs_dot = _compat.instantiate_zeros(tangents[0])
+    return loss_tag_p.bind(*primals, family=family), inputs_dot
+
+
+def _tag_batch(args, dims, *, family):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    args = [_compat.move_batch_axis(a, d, size) for a, d in zip(args, dims)]
+    return loss_tag_p.bind(*args, family=family), 0
+
+
+loss_tag_p = _compat.define_identity_primitive(
+    "eqfisher_loss_tag", _tag_jvp, _tag_batch
+)
+loss_tag_p.__doc__ = """Identity on `inputs`; operands `(inputs, targets, mask)`."""
+
+
+def register_loss(
+    family: AbstractLossFamily,
+    inputs: Float[Array, "*leading out"],
+    targets: Shaped[ArrayLike, "..."],
+    mask: Shaped[ArrayLike, "*leading"] | None = None,
+    *,
+    caller: str = "eqfisher.register_loss",
+) -> Float[Array, ""]:
+    """Registers a loss of the given family on `inputs` and returns its scalar value.
+
+    **Arguments:**
+
+    - `family`: a loss family, e.g. `eqfisher.losses.Categorical()`.
+    - `inputs`: the model outputs, shape `(*leading, outputs)`.
+    - `targets`: what the family expects (class ids, probabilities, values).
+    - `mask`: optional per-example weights of shape `leading` (e.g. 0 for padding
+      tokens); the value is then Σ mask·ℓ / Σ mask.
+
+    **Returns:**
+
+    The scalar loss: the (mask-weighted) mean over every leading axis.
+    """
+    inputs = jnp.asarray(inputs)
+    targets = jnp.asarray(targets)
+    if not jnp.issubdtype(inputs.dtype, jnp.floating):
+        raise TypeError(
+            f"`{caller}`: the loss must be registered on a floating-point array "
+            f"(the model outputs), got dtype {inputs.dtype}; pass the logits or "
+            "predictions, not labels."
+        )
+    if inputs.ndim < 2:
+        raise ValueError(
+            f"`{caller}`: outputs need shape (*examples, outputs), got "
+            f"{inputs.shape}. For one output per example use x[..., None]."
+        )
+    family.check_targets(inputs, targets, caller)
+    leading = inputs.shape[:-1]
+    if mask is None:
+        mask = jnp.ones(leading, inputs.dtype)
+    else:
+        mask = jnp.asarray(mask)
+        if mask.shape != leading:
+            raise ValueError(
+                f"`{caller}(..., mask=...)`: `mask` must have shape {leading} "
+                f"(the leading axes of the outputs), got {mask.shape}."
+            )
+        mask = mask.astype(inputs.dtype)
+    tagged = loss_tag_p.bind(inputs, targets, mask, family=family)
+    return jnp.sum(mask * family.per_example(tagged, targets)) / jnp.sum(mask)
+
+
+def softmax_cross_entropy(
+    logits: Float[Array, "*leading classes"],
+    labels: Int[ArrayLike, "*leading"] | Float[ArrayLike, "*leading classes"],
+    *,
+    mask: Float[ArrayLike, "*leading"] | Bool[ArrayLike, "*leading"] | None = None,
+) -> Float[Array, ""]:
+    """Softmax cross-entropy, registered for curvature.
+
+    **Arguments:**
+
+    - `logits`: shape `(*leading, classes)`.
+    - `labels`: integer class ids of shape `leading`, or probabilities shaped like
+      `logits`.
+    - `mask`: optional per-example weights of shape `leading`.
+
+    **Returns:**
+
+    The mean (or mask-weighted mean) cross-entropy over every leading axis.
+
+    ```python
+    loss = ef.softmax_cross_entropy(jax.vmap(model)(x), y)
+    ```
+    """
+    return register_loss(
+        Categorical(), logits, labels, mask, caller="eqfisher.softmax_cross_entropy"
+    )
+
+
+def sigmoid_cross_entropy(
+    logits: Float[Array, "*leading out"],
+    targets: Float[ArrayLike, "*leading out"] | Int[ArrayLike, "*leading out"],
+    *,
+    mask: Float[ArrayLike, "*leading"] | Bool[ArrayLike, "*leading"] | None = None,
+) -> Float[Array, ""]:
+    """Sigmoid (binary) cross-entropy summed over outputs, registered for curvature.
+
+    **Arguments:**
+
+    - `logits`: shape `(*leading, outputs)`.
+    - `targets`: 0/1 (or probabilities) shaped like `logits`.
+    - `mask`: optional per-example weights of shape `leading`.
+
+    **Returns:**
+
+    The mean over every leading axis of Σ_outputs BCE.
+    """
+    return register_loss(
+        Bernoulli(), logits, targets, mask, caller="eqfisher.sigmoid_cross_entropy"
+    )
+
+
+def squared_error(
+    predictions: Float[Array, "*leading out"],
+    targets: Float[ArrayLike, "*leading out"],
+    *,
+    mask: Float[ArrayLike, "*leading"] | Bool[ArrayLike, "*leading"] | None = None,
+) -> Float[Array, ""]:
+    """½‖predictions − targets‖² per example, registered for curvature.
+
+    **Arguments:**
+
+    - `predictions`: shape `(*leading, outputs)`; for a scalar regression use
+      `predictions[..., None]`.
+    - `targets`: shaped like `predictions`.
+    - `mask`: optional per-example weights of shape `leading`.
+
+    **Returns:**
+
+    The mean over every leading axis of ½ Σ_outputs (predictions − targets)²
+    (a unit-variance Gaussian negative log-likelihood up to a constant).
+    """
+    return register_loss(
+        Gaussian(), predictions, targets, mask, caller="eqfisher.squared_error"
+    )
+
+

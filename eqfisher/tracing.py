@@ -1,0 +1,371 @@
+"""The tracing core: capture a loss function, find its layers, and differentiate it.
+
+`loss_fn(model, batch)` is traced once per (model structure, batch shapes and dtypes)
+into a `ProcessedTrace`: the flattened jaxpr, its loss tags, and its layer records,
+with the parameters known by their model paths. Everything here runs inside
+`jax.jit`/`eqx.filter_jit`; the trace is Python work done at JAX trace time only.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PyTree
+
+from . import _compat
+from ._program import Evaluation, Program, VarMap, evaluate, flatten
+from .layers import LayerInfo, LayerRecord, detect
+from .losses import AbstractLossFamily, loss_tag_p
+
+
+_REGISTRATION = (
+    "eqfisher.softmax_cross_entropy, eqfisher.sigmoid_cross_entropy, "
+    "eqfisher.squared_error or eqfisher.register_loss"
+)
+
+
+class RegisteredLoss(eqx.Module):
+    """One registered loss as seen during a pass: its family and its operands."""
+
+    family: AbstractLossFamily = eqx.field(static=True)
+    inputs: Float[Array, "*leading out"]
+    targets: Array
+    mask: Float[Array, "*leading"]
+
+    def weights(self) -> Float[Array, "*leading"]:
+        """Each example's weight in the loss value: mask / Σ mask (1/N without mask)."""
+        return self.mask / jnp.sum(self.mask)
+
+    def value(self) -> Float[Array, ""]:
+        return jnp.sum(self.weights() * self.family.per_example(self.inputs, self.targets))
+
+
+class LayerData(eqx.Module):
+    """Primal values and tangents of one layer, from `layer_vjp`.
+
+    `outputs` is the output the tracer perturbs (the layer's result, after its bias);
+    `outputs_tangent` its cotangent, `params_tangent` that of each parameter leaf.
+    """
+
+    inputs: Array
+    outputs: Array
+    params: tuple[Array, ...]
+    outputs_tangent: Array
+    params_tangent: tuple[Array, ...]
+
+
+class LayerReport(eqx.Module):
+    """What `find_layers` found: layers, and the parameter leaves in no layer."""
+
+    layers: tuple[LayerInfo, ...] = eqx.field(static=True)
+    unmatched: tuple[str, ...] = eqx.field(static=True)
+    reasons: tuple[str, ...] = eqx.field(static=True)
+
+    def __str__(self) -> str:
+        rows = [("layer", "kind", "parameters")]
+        rows += [(li.name, li.kind, ", ".join(li.param_paths)) for li in self.layers]
+        rows += [("(unmatched)", "diagonal", f"{p}  — {r}") for p, r in zip(self.unmatched, self.reasons)]
+        widths = [max(len(r[i]) for r in rows) for i in range(2)]
+        lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]}" for r in rows]
+        lines.insert(1, "-" * max(len(line) for line in lines))
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ProcessedTrace:
+    """A traced loss function: program, loss tags and layers. Immutable."""
+
+    program: Program
+    num_params: int
+    param_paths: tuple[str, ...]
+    layers: tuple[LayerRecord, ...]
+    unmatched: tuple[tuple[str, str], ...]
+    families: tuple[AbstractLossFamily, ...]
+
+    @property
+    def num_tags(self) -> int:
+        return len(self.families)
+
+    def run(
+        self, inputs, perturbations: VarMap | None = None, *, full: bool = False
+    ) -> Evaluation:
+        return evaluate(
+            self.program,
+            inputs,
+            perturbations,
+            stop_after_tags=None if full else self.num_tags,
+        )
+
+    def losses(self, ev: Evaluation) -> tuple[RegisteredLoss, ...]:
+        return tuple(
+            RegisteredLoss(f, *operands) for f, operands in zip(self.families, ev.tags)
+        )
+
+    def report(self) -> LayerReport:
+        return LayerReport(
+            layers=tuple(r.info for r in self.layers),
+            unmatched=tuple(p for p, _ in self.unmatched),
+            reasons=tuple(r for _, r in self.unmatched),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A model and batch split into flat array leaves and what rebuilds them."""
+
+    params: list[Any]
+    others: list[Any]
+    batch: list[Any]
+    params_def: Any
+    rebuild: Callable[[list, list, list], tuple[Any, Any]]
+    key: Any
+
+    @property
+    def inputs(self) -> list[Any]:
+        return self.params + self.others + self.batch
+
+
+def split(model: PyTree, batch: PyTree) -> Split:
+    params, rest = eqx.partition(model, eqx.is_inexact_array)
+    others, static = eqx.partition(rest, eqx.is_array)
+    b_dyn, b_static = eqx.partition(batch, eqx.is_array)
+    p_leaves, p_def = jax.tree_util.tree_flatten(params)
+    o_leaves, o_def = jax.tree_util.tree_flatten(others)
+    b_leaves, b_def = jax.tree_util.tree_flatten(b_dyn)
+
+    def rebuild(p, o, b):
+        m = eqx.combine(
+            jax.tree_util.tree_unflatten(p_def, p),
+            jax.tree_util.tree_unflatten(o_def, o),
+            static,
+        )
+        return m, eqx.combine(jax.tree_util.tree_unflatten(b_def, b), b_static)
+
+    avals = tuple((x.shape, x.dtype) for x in p_leaves + o_leaves + b_leaves)
+    key = (p_def, o_def, b_def, _hashable(static), _hashable(b_static), avals)
+    return Split(p_leaves, o_leaves, b_leaves, p_def, rebuild, key)
+
+
+def _hashable(tree) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    try:
+        hash((treedef, tuple(leaves)))
+    except TypeError:
+        return object()  # never equal: no caching for this structure
+    return treedef, tuple(leaves)
+
+
+def trace(loss_fn: Callable, s: Split, *, caller: str = "eqfisher") -> ProcessedTrace:
+    """Traces `loss_fn` on the split model and batch."""
+    n_p, n_o = len(s.params), len(s.others)
+
+    def flat_fn(*leaves):
+        model, batch = s.rebuild(
+            list(leaves[:n_p]), list(leaves[n_p : n_p + n_o]), list(leaves[n_p + n_o :])
+        )
+        return loss_fn(model, batch)
+
+    jaxpr, consts = _compat.make_jaxpr(flat_fn, *s.inputs)
+    program = flatten(jaxpr, consts, n_p)
+    tags = [n for n in program.nodes if n.eqn.primitive is loss_tag_p]
+    if not tags:
+        name = getattr(loss_fn, "__name__", repr(loss_fn))
+        raise ValueError(
+            f"`{caller}`: `loss_fn` ({name}) registers no loss. Compute the loss "
+            f"with {_REGISTRATION}; each returns the scalar loss and marks the model "
+            "outputs for curvature."
+        )
+    params = jax.tree_util.tree_unflatten(s.params_def, s.params)
+    paths = tuple(
+        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    )
+    found = detect(program, paths)
+    return ProcessedTrace(
+        program=program,
+        num_params=n_p,
+        param_paths=paths,
+        layers=found.layers,
+        unmatched=found.unmatched,
+        families=tuple(n.params["family"] for n in tags),
+    )
+
+
+class Traced:
+    """A loss function with a cache of its traces, one per argument structure."""
+
+    def __init__(self, loss_fn: Callable, caller: str):
+        if not callable(loss_fn):
+            raise TypeError(f"`{caller}`: `loss_fn` must be callable, got {loss_fn!r}.")
+        self.loss_fn = loss_fn
+        self.cache = {}
+        self.caller = caller
+
+    def trace(self, s: Split) -> ProcessedTrace:
+        cached = self.cache.get(s.key)
+        if cached is not None:
+            return cached
+        processed = trace(self.loss_fn, s, caller=self.caller)
+        consts = [
+            n for n in processed.program.nodes for a in n.args if _is_tracer_const(a)
+        ]
+        if not consts:
+            self.cache[s.key] = processed
+        return processed
+
+
+def _is_tracer_const(atom) -> bool:
+    return isinstance(getattr(atom, "value", None), jax.core.Tracer)
+
+
+def find_layers(
+    loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]],
+    model: PyTree,
+    batch: PyTree,
+    *,
+    strict: bool = False,
+) -> LayerReport:
+    """Traces `loss_fn(model, batch)` and reports the layers it finds.
+
+    **Arguments:**
+
+    - `loss_fn`: `loss_fn(model, batch) -> scalar`, registering its loss with
+      `eqfisher.softmax_cross_entropy` etc.
+    - `model`: any PyTree (usually an `eqx.Module`); its inexact arrays are the
+      parameters.
+    - `batch`: any PyTree.
+    - `strict`: raise a `ValueError` naming the parameters in no layer.
+
+    **Returns:**
+
+    A `LayerReport` with `.layers` (name, kind, parameter paths) and `.unmatched`
+    (paths of parameters in no layer; they get a diagonal block). `print(report)`
+    shows a table.
+    """
+    processed = trace(loss_fn, split(model, batch), caller="eqfisher.find_layers")
+    report = processed.report()
+    if strict and report.unmatched:
+        detail = "; ".join(f"{p} ({r})" for p, r in processed.unmatched)
+        raise ValueError(
+            "`eqfisher.find_layers(..., strict=True)`: parameters in no layer: "
+            f"{detail}. Pass `strict=False` to give them diagonal blocks."
+        )
+    return report
+
+
+class _LayerVjp:
+    def __init__(self, traced: Traced):
+        self.traced = traced
+
+    def __call__(self, model: PyTree, batch: PyTree):
+        s = split(model, batch)
+        processed = self.traced.trace(s)
+        layers = processed.layers
+        points = list({id(r.outputs): r.outputs for r in layers}.values())
+
+        def forward(p_leaves, perturb):
+            ev = processed.run(list(p_leaves) + s.others + s.batch, perturb)
+            tag_inputs = tuple(t[0] for t in ev.tags)
+            primals = tuple(
+                (ev.read(r.inputs), ev.read(r.outputs)) for r in layers
+            )
+            return tag_inputs, (processed.losses(ev), primals)
+
+        zero = VarMap.zeros(points)
+        _, vjp, (losses, primals) = jax.vjp(forward, s.params, zero, has_aux=True)
+
+        def vjp_fn(loss_tangents):
+            loss_tangents = tuple(loss_tangents)
+            if len(loss_tangents) != processed.num_tags:
+                raise ValueError(
+                    "`vjp_fn(loss_tangents)`: expected one tangent per registered loss "
+                    f"({processed.num_tags}), got {len(loss_tangents)}."
+                )
+            p_ct, point_ct = vjp(loss_tangents)
+            out = []
+            for r, (x, y) in zip(layers, primals):
+                out.append(
+                    LayerData(
+                        inputs=x,
+                        outputs=y,
+                        params=tuple(s.params[i] for i in r.param_indices),
+                        outputs_tangent=point_ct[r.outputs],
+                        params_tangent=tuple(p_ct[i] for i in r.param_indices),
+                    )
+                )
+            return tuple(out)
+
+        return losses, vjp_fn
+
+
+def layer_vjp(loss_fn: Callable) -> Callable:
+    """Transforms `loss_fn` into `(model, batch) -> (losses, vjp_fn)`.
+
+    `losses` is a tuple of `RegisteredLoss` (family, inputs, targets, mask), one per
+    registered loss. `vjp_fn(loss_tangents)`, with one tangent per loss shaped like
+    its inputs, returns one `LayerData` per layer (in `find_layers` order): primal
+    inputs, outputs and parameters, and the cotangents of outputs and parameters.
+    """
+    return _LayerVjp(Traced(loss_fn, "eqfisher.layer_vjp"))
+
+
+def _params_fn(processed: ProcessedTrace, s: Split):
+    def fn(p_leaves):
+        ev = processed.run(list(p_leaves) + s.others + s.batch)
+        return tuple(t[0] for t in ev.tags), processed.losses(ev)
+
+    return fn
+
+
+def _unflatten(s: Split, leaves) -> PyTree:
+    return jax.tree_util.tree_unflatten(s.params_def, list(leaves))
+
+
+def loss_tags_vjp(loss_fn: Callable) -> Callable:
+    """`(model, batch) -> (losses, vjp_fn)`; `vjp_fn(tangents)` gives parameter
+    cotangents (a PyTree like `eqx.filter(model, eqx.is_inexact_array)`) of the
+    registered losses' inputs."""
+    traced = Traced(loss_fn, "eqfisher.loss_tags_vjp")
+
+    def transformed(model, batch):
+        s = split(model, batch)
+        fn = _params_fn(traced.trace(s), s)
+        _, vjp, losses = jax.vjp(fn, s.params, has_aux=True)
+        return losses, lambda tangents: _unflatten(s, vjp(tuple(tangents))[0])
+
+    return transformed
+
+
+def loss_tags_jvp(loss_fn: Callable) -> Callable:
+    """`(model, batch, params_tangent) -> (losses, tangents of the losses' inputs)`."""
+    traced = Traced(loss_fn, "eqfisher.loss_tags_jvp")
+
+    def transformed(model, batch, params_tangent):
+        s = split(model, batch)
+        fn = _params_fn(traced.trace(s), s)
+        t_leaves = jax.tree_util.tree_leaves(params_tangent)
+        _, tangents, losses = jax.jvp(fn, (s.params,), (t_leaves,), has_aux=True)
+        return losses, tangents
+
+    return transformed
+
+
+def loss_tags_hvp(loss_fn: Callable) -> Callable:
+    """`(model, batch, params_tangent) -> (H v, losses)`, with H the Hessian of the
+    summed registered loss values, by forward-over-reverse differentiation."""
+    traced = Traced(loss_fn, "eqfisher.loss_tags_hvp")
+
+    def transformed(model, batch, params_tangent):
+        s = split(model, batch)
+        fn = _params_fn(traced.trace(s), s)
+
+        def total(p):
+            return sum(loss.value() for loss in fn(p)[1])
+
+        t_leaves = jax.tree_util.tree_leaves(params_tangent)
+        _, hvp = jax.jvp(jax.grad(total), (s.params,), (t_leaves,))
+        return _unflatten(s, hvp), fn(s.params)[1]
+
+    return transformed
