@@ -1,1 +1,44 @@
-"""eqfisher: curvature for Equinox models."""
+"""eqfisher: curvature for Equinox models, as typed lineax operators."""
+
+from . import blocks as blocks, filters as filters, losses as losses
+from ._stop_hessian import stop_hessian as stop_hessian
+from .curvature import (
+    Curvature as Curvature,
+    curvature as curvature,
+    value_grad_and_curvature as value_grad_and_curvature,
+)
+from .estimators import (
+    AbstractEstimator as AbstractEstimator,
+    EmpiricalFisher as EmpiricalFisher,
+    FisherExact as FisherExact,
+    FisherMC as FisherMC,
+    GGN as GGN,
+)
+from .layers import LayerInfo as LayerInfo
+from .losses import (
+    register_loss as register_loss,
+    sigmoid_cross_entropy as sigmoid_cross_entropy,
+    softmax_cross_entropy as softmax_cross_entropy,
+    squared_error as squared_error,
+)
+from .structures import (
+    AbstractStructure as AbstractStructure,
+    BlockDiagonal as BlockDiagonal,
+    Dense as Dense,
+    Diagonal as Diagonal,
+    EKFAC as EKFAC,
+    KFAC as KFAC,
+)
+from .tracing import (
+    find_layers as find_layers,
+    LayerData as LayerData,
+    LayerReport as LayerReport,
+    layer_vjp as layer_vjp,
+    loss_tags_hvp as loss_tags_hvp,
+    loss_tags_jvp as loss_tags_jvp,
+    loss_tags_vjp as loss_tags_vjp,
+    RegisteredLoss as RegisteredLoss,
+)
+
+
+__version__ = "0.1.0"

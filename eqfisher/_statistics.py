@@ -1,0 +1,153 @@
+"""Curvature statistics: K-FAC factors from one forward and a stacked VJP, and
+exact per-example parameter vectors for the structures that need them."""
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from ._program import VarMap
+from .layers import LayerRecord
+from .tracing import ProcessedTrace, RegisteredLoss, Split, Traced, split
+
+
+def stat_dtype(dtype) -> jnp.dtype:
+    """Statistics accumulate in at least float32 (bfloat16 models too)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def input_matrix(record: LayerRecord, x: Array, with_bias: bool) -> Array:
+    """The `(locations, d_in [+1])` matrix of layer inputs (patches for a conv)."""
+    dtype = stat_dtype(x.dtype) if record.kind != "embedding" else jnp.float32
+    if record.kind == "dense":
+        a = jnp.transpose(x, record.in_order).reshape(-1, record.d_in)
+    elif record.kind == "conv":
+        p = record.core.params
+        dn = p["dimension_numbers"]
+        kernel_shape = record.core.eqn.invars[1].aval.shape
+        patches = jax.lax.conv_general_dilated_patches(
+            x,
+            tuple(kernel_shape[i] for i in dn.rhs_spec[2:]),
+            p["window_strides"],
+            p["padding"],
+            p["lhs_dilation"],
+            p["rhs_dilation"],
+            dn,
+            precision=jax.lax.Precision.HIGHEST,
+        )
+        a = jnp.moveaxis(patches, dn.out_spec[1], -1).reshape(-1, record.d_in)
+    elif record.kind == "embedding":
+        ids = x[..., 0].reshape(-1)
+        return ids
+    else:
+        raise ValueError(f"no input matrix for a {record.kind} layer")
+    a = a.astype(dtype)
+    if with_bias:
+        a = jnp.concatenate([a, jnp.ones((a.shape[0], 1), dtype)], axis=1)
+    return a
+
+
+def output_matrix(record: LayerRecord, g: Array) -> Array:
+    """`(..., locations, d_out)` from output cotangents with leading stack axes."""
+    lead = g.ndim - len(record.out_order)
+    perm = tuple(range(lead)) + tuple(lead + i for i in record.out_order)
+    g = jnp.transpose(g, perm)
+    return g.reshape(g.shape[:lead] + (-1, record.d_out)).astype(stat_dtype(g.dtype))
+
+
+def kronecker_factors(
+    record: LayerRecord, x: Array, g_stack: Array, with_bias: bool, dtype
+) -> tuple[Float[Array, "i i"], Float[Array, "o o"]]:
+    """A = mean over locations of ã ãᵀ; G = Σ over stacked vectors and locations of
+    g gᵀ (the output vectors already carry the loss weights)."""
+    gm = output_matrix(record, g_stack)
+    gm = gm.reshape(-1, gm.shape[-1])
+    g = (gm.T @ gm).astype(dtype)
+    if record.kind == "embedding":
+        ids = input_matrix(record, x, False)
+        counts = jnp.zeros((record.d_in,), dtype).at[ids].add(1)
+        return jnp.diag(counts / ids.shape[0]), g
+    a = input_matrix(record, x, with_bias)
+    return ((a.T @ a) / a.shape[0]).astype(dtype), g
+
+
+def layer_outputs_vjp(
+    processed: ProcessedTrace,
+    s: Split,
+    layers: Sequence[LayerRecord],
+    *,
+    full: bool,
+):
+    """One forward with zero perturbations on the layers' outputs, and its VJP.
+
+    Returns `(outputs, vjp_fn, (losses, layer_inputs))` where `outputs` is
+    `(program outputs, tag inputs)` when `full`, else the tag inputs alone.
+    """
+    points = list({id(r.outputs): r.outputs for r in layers}.values())
+
+    def forward(p_leaves, perturb):
+        ev = processed.run(list(p_leaves) + s.others + s.batch, perturb, full=full)
+        tag_inputs = tuple(t[0] for t in ev.tags)
+        aux = (processed.losses(ev), tuple(ev.read(r.inputs) for r in layers))
+        return ((ev.outputs, tag_inputs) if full else tag_inputs), aux
+
+    return jax.vjp(forward, s.params, VarMap.zeros(points), has_aux=True)
+
+
+def per_example_vectors(
+    traced: Traced,
+    model,
+    batch,
+    vectors: tuple[Array, ...],
+    selected: Sequence[int],
+) -> list[Array]:
+    """Uₙₖ = Jₙᵀ V[k, n] for every example n and vector k, for the selected leaves.
+
+    The batch is split into examples along the leading axis of each of its array
+    leaves and `loss_fn` re-traced on one example; the loss weights come from the
+    full batch (inside `vectors`). Returns one `(N·K, *leaf.shape)` array per
+    selected leaf.
+    """
+    s = split(model, batch)
+    sizes = {x.shape[0] if x.ndim else None for x in s.batch}
+    n = vectors[0].shape[1]
+    if sizes != {n} or any(v.shape[1] != n for v in vectors):
+        raise ValueError(
+            f"`{traced.caller}`: this structure needs per-example Jacobians, so every "
+            "array in `batch` and every registered loss must share a leading example "
+            f"axis; got batch leading sizes {sorted(map(str, sizes))} and loss "
+            f"leading sizes {[v.shape[1] for v in vectors]}."
+        )
+    one = jax.tree_util.tree_map(
+        lambda x: x[:1] if hasattr(x, "shape") and x.ndim else x, batch
+    )
+    s1 = split(model, one)
+    processed = traced.trace(s1)
+    selected = list(selected)
+
+    def example(ex_leaves, v):
+        def fn(sel):
+            p = list(s.params)
+            for i, leaf in zip(selected, sel):
+                p[i] = leaf
+            ev = processed.run(p + s.others + [x[None] for x in ex_leaves])
+            return tuple(t[0] for t in ev.tags)
+
+        _, vjp = jax.vjp(fn, [s.params[i] for i in selected])
+        return jax.vmap(lambda c: vjp(tuple(x[None] for x in c))[0])(v)
+
+    vs = tuple(jnp.moveaxis(v, 1, 0) for v in vectors)  # (N, K, ...)
+    out = jax.vmap(example)(s.batch, vs)
+    return [x.reshape((-1,) + x.shape[2:]) for x in out]
+
+
+def ravel_rows(rows: Sequence[Array]) -> Array:
+    """Concatenates `(M, *shape)` leaves into one `(M, Σ size)` matrix."""
+    return jnp.concatenate([r.reshape(r.shape[0], -1) for r in rows], axis=1)
+
+
+def num_locations(record: LayerRecord) -> int:
+    shape = record.outputs.aval.shape
+    return math.prod(shape) // record.d_out

@@ -1,0 +1,362 @@
+"""`Curvature`: the blocks of a whole model, as one lineax operator, and the
+functions that build it (`curvature`, `value_grad_and_curvature`)."""
+
+import math
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import lineax as lx
+import numpy as np
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree, ScalarLike
+
+from . import _statistics as stats, filters
+from .blocks import (
+    AbstractBlock,
+    Diagonal as DiagonalBlock,
+    Full,
+    KroneckerFactored,
+    ekfac_from_kronecker,
+)
+from .blocks._layout import to_matrix
+from .estimators import AbstractEstimator, stacked_vectors
+from .structures import EKFAC, AbstractStructure, BlockDiagonal, Dense, Group, groups
+from .tracing import Traced, split
+
+
+class Curvature(lx.AbstractLinearOperator):
+    """The curvature of a model: typed blocks over its parameter PyTree.
+
+    A lineax operator on PyTrees like `eqx.filter(model, eqx.is_inexact_array)` (or
+    the `where` subset, other leaves `None`). Dense matrices (`as_matrix`) order
+    rows and columns as `jax.flatten_util.ravel_pytree` of that PyTree.
+
+    **Fields:**
+
+    - `blocks`: a dict from block name (the layer's model path, or a parameter path
+      for a leaf in no layer; `"all"` for `Dense()`) to an `eqfisher.blocks` block.
+    - `leaf_indices`: static; for each block, the positions of its leaves among the
+      operand's leaves.
+    - `structure`: static; the operand as a PyTree of `jax.ShapeDtypeStruct`.
+    """
+
+    blocks: dict[str, AbstractBlock]
+    leaf_indices: tuple[tuple[int, ...], ...] = eqx.field(static=True)
+    structure: PyTree = eqx.field(static=True)
+
+    def _leaves(self, vector: PyTree, method: str) -> list[Array]:
+        leaves, treedef = jax.tree_util.tree_flatten(vector)
+        if treedef != jax.tree_util.tree_structure(self.structure):
+            raise ValueError(
+                f"`Curvature.{method}(vector)`: `vector` must have the structure of "
+                "the parameters the curvature covers (eqx.filter(model, "
+                "eqx.is_inexact_array), restricted by `where`)."
+            )
+        return leaves
+
+    def _map(self, vector: PyTree, fn: Callable, method: str) -> PyTree:
+        leaves = self._leaves(vector, method)
+        out = list(leaves)
+        for block, idx in zip(self.blocks.values(), self.leaf_indices):
+            for i, x in zip(idx, fn(block, tuple(leaves[i] for i in idx))):
+                out[i] = x
+        return jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(self.structure), out
+        )
+
+    def mv(self, vector: PyTree) -> PyTree:
+        return self._map(vector, lambda b, v: b.mv(v), "mv")
+
+    def solve(self, vector: PyTree, damping: ScalarLike) -> PyTree:
+        """(C + damping·I)⁻¹ v, exact for every block type (K-FAC through its factors'
+        eigendecompositions)."""
+        return self._map(vector, lambda b, v: b.solve(v, damping), "solve")
+
+    def as_matrix(self) -> Float[Array, "size size"]:
+        sizes = [math.prod(s.shape) for s in jax.tree_util.tree_leaves(self.structure)]
+        offsets = np.cumsum([0] + sizes)
+        dtype = jnp.result_type(
+            *[s.dtype for s in jax.tree_util.tree_leaves(self.structure)]
+        )
+        out = jnp.zeros((offsets[-1], offsets[-1]), dtype)
+        for block, idx in zip(self.blocks.values(), self.leaf_indices):
+            pos = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in idx])
+            out = out.at[np.ix_(pos, pos)].set(block.as_matrix().astype(dtype))
+        return out
+
+    def diagonal(self) -> PyTree:
+        """The diagonal, as a PyTree like the parameters."""
+        zero = jax.tree_util.tree_map(
+            lambda s: jnp.zeros(s.shape, s.dtype), self.structure
+        )
+        return self._map(zero, lambda b, v: b.diagonal(), "diagonal")
+
+    def logdet(self, damping: ScalarLike) -> Float[Array, ""]:
+        """log det(C + damping·I)."""
+        return sum(b.logdet(damping) for b in self.blocks.values())
+
+    def trace(self) -> Float[Array, ""]:
+        return sum(b.trace() for b in self.blocks.values())
+
+    def ema(self, other: "Curvature", decay: ScalarLike) -> "Curvature":
+        """decay·self + (1 − decay)·other, block by block (see each block's `ema`)."""
+        if other.blocks.keys() != self.blocks.keys():
+            raise ValueError("`Curvature.ema(other, decay)`: `other` has other blocks.")
+        new = {k: b.ema(other.blocks[k], decay) for k, b in self.blocks.items()}
+        return Curvature(new, self.leaf_indices, self.structure)
+
+    def transpose(self) -> "Curvature":
+        return self
+
+    def in_structure(self) -> PyTree:
+        return self.structure
+
+    def out_structure(self) -> PyTree:
+        return self.structure
+
+
+@lx.is_symmetric.register(Curvature)
+@lx.is_positive_semidefinite.register(Curvature)
+def _(operator):
+    return True
+
+
+@lx.is_negative_semidefinite.register(Curvature)
+@lx.is_diagonal.register(Curvature)
+@lx.is_tridiagonal.register(Curvature)
+@lx.is_lower_triangular.register(Curvature)
+@lx.is_upper_triangular.register(Curvature)
+@lx.has_unit_diagonal.register(Curvature)
+def _(operator):
+    return False
+
+
+@lx.linearise.register(Curvature)
+@lx.materialise.register(Curvature)
+@lx.conj.register(Curvature)
+def _(operator):
+    return operator
+
+
+@lx.diagonal.register(Curvature)
+def _(operator):
+    return jnp.concatenate(
+        [jnp.ravel(x) for x in jax.tree_util.tree_leaves(operator.diagonal())]
+    )
+
+
+@lx.tridiagonal.register(Curvature)
+def _(operator):
+    matrix = operator.as_matrix()
+    return jnp.diag(matrix, -1), jnp.diag(matrix), jnp.diag(matrix, 1)
+
+
+def _check_args(caller: str, estimator, structure, key) -> None:
+    if not isinstance(estimator, AbstractEstimator):
+        raise TypeError(
+            f"`{caller}(..., estimator=...)`: expected an estimator such as "
+            f"eqfisher.GGN() or eqfisher.FisherMC(samples=1), got {estimator!r}."
+        )
+    if not isinstance(structure, AbstractStructure):
+        raise TypeError(
+            f"`{caller}(..., structure=...)`: expected a structure such as "
+            f"eqfisher.KFAC() or eqfisher.Diagonal(), got {structure!r}."
+        )
+    if estimator.needs_key and key is None:
+        raise ValueError(
+            f"`{caller}(..., estimator={estimator!r})` needs `key=`: Monte-Carlo "
+            "Fisher samples targets."
+        )
+
+
+class _Builder(eqx.Module):
+    """Shared by `curvature` and `value_grad_and_curvature`."""
+
+    traced: Traced = eqx.field(static=True)
+    estimator: AbstractEstimator
+    structure: AbstractStructure
+    where: object = eqx.field(static=True)
+    caller: str = eqx.field(static=True)
+
+    def __call__(self, model, batch, key, *, full: bool, cotangent_fn=None):
+        s = split(model, batch)
+        processed = self.traced.trace(s)
+        if self.where is None:
+            selected = list(range(processed.num_params))
+        else:
+            flags = jax.tree_util.tree_leaves(filters.optax_mask(model, self.where))
+            selected = [i for i, f in enumerate(flags) if f]
+        grouping = groups(self.structure, processed, selected, self.caller)
+        kron = [g for g in grouping if g.kronecker]
+        records = [g.record for g in kron]
+        outputs, vjp, (losses, inputs) = stats.layer_outputs_vjp(
+            processed, s, records, full=full
+        )
+        vectors = stacked_vectors(self.estimator, losses, key)
+        k = vectors[0].shape[0]
+        if full:
+            out_ct = cotangent_fn(outputs[0])
+            cts = (
+                tuple(_stack_first(c, k) for c in out_ct),
+                tuple(jnp.concatenate([jnp.zeros_like(v[:1]), v]) for v in vectors),
+            )
+        else:
+            cts = vectors
+        p_ct, point_ct = jax.vmap(vjp)(cts)
+        grads = [g[0] for g in p_ct] if full else None
+        params = eqx.filter(model, eqx.is_inexact_array)
+        need_examples = [g for g in grouping if g.needs_examples]
+        rows = {}
+        if need_examples:
+            leaves = sorted({i for g in need_examples for i in g.leaves})
+            vecs = stats.per_example_vectors(self.traced, model, batch, vectors, leaves)
+            rows = dict(zip(leaves, vecs))
+        blocks, indices = {}, []
+        position = {p: j for j, p in enumerate(selected)}
+        for g in grouping:
+            x = inputs[records.index(g.record)] if g.kronecker else None
+            gs = (
+                point_ct[g.record.outputs][1:]
+                if (g.kronecker and full)
+                else (point_ct[g.record.outputs] if g.kronecker else None)
+            )
+            blocks[g.name] = _block(self.structure, g, s.params, x, gs, rows)
+            indices.append(tuple(position[i] for i in g.leaves))
+        p_leaves = jax.tree_util.tree_leaves(params)
+        shapes = [
+            jax.ShapeDtypeStruct(p.shape, p.dtype) if i in position else None
+            for i, p in enumerate(p_leaves)
+        ]
+        structure = jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(params), shapes
+        )
+        curv = Curvature(blocks, tuple(indices), structure)
+        return curv, outputs, grads, s
+
+
+def _stack_first(c, k: int):
+    """`c` followed by k zero cotangents, stacked on a new leading axis."""
+    if c.dtype == jax.dtypes.float0:
+        return np.zeros((k + 1,) + c.shape, c.dtype)
+    return jnp.concatenate([c[None], jnp.zeros((k,) + c.shape, c.dtype)])
+
+
+def _block(structure, g: Group, params, x, g_stack, rows) -> AbstractBlock:
+    leaves = tuple(params[i] for i in g.leaves)
+    dtype = stats.stat_dtype(leaves[0].dtype)
+    if g.kronecker:
+        with_bias = len(g.leaves) == 2
+        a, gg = stats.kronecker_factors(g.record, x, g_stack, with_bias, dtype)
+        block = KroneckerFactored(
+            a, gg, weight_perm=g.record.weight_perm, structure=leaves
+        )
+        if isinstance(structure, EKFAC):
+            mats = jax.vmap(
+                lambda *v: to_matrix(v, g.record.weight_perm, g.record.d_out)
+            )(*(rows[i] for i in g.leaves))
+            return ekfac_from_kronecker(block, mats.astype(dtype))
+        return block
+    u = [rows[i].astype(dtype) for i in g.leaves]
+    if isinstance(structure, (Dense, BlockDiagonal)):
+        m = stats.ravel_rows(u)
+        return Full(m.T @ m, leaves)
+    return DiagonalBlock(tuple(jnp.sum(r**2, axis=0) for r in u))
+
+
+def curvature(
+    loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]],
+    model: PyTree,
+    batch: PyTree,
+    *,
+    estimator: AbstractEstimator,
+    structure: AbstractStructure,
+    key: PRNGKeyArray | None = None,
+    where=None,
+) -> Curvature:
+    """The curvature of the value `loss_fn(model, batch)` returns.
+
+    **Arguments:**
+
+    - `loss_fn`: `loss_fn(model, batch) -> scalar`, with its loss registered
+      (`eqfisher.softmax_cross_entropy`, ...).
+    - `model`, `batch`: PyTrees; the model's inexact arrays are the parameters.
+    - `estimator`: `GGN()`, `FisherExact()`, `FisherMC(samples=...)` or
+      `EmpiricalFisher()`.
+    - `structure`: `Dense()`, `BlockDiagonal()`, `Diagonal()`, `KFAC()` or `EKFAC()`.
+    - `key`: a PRNG key, needed by `FisherMC`.
+    - `where`: a filter (`eqfisher.filters`) restricting the parameters covered.
+
+    **Returns:**
+
+    A `Curvature`, a lineax operator over the (selected) parameters.
+    """
+    caller = "eqfisher.curvature"
+    _check_args(caller, estimator, structure, key)
+    builder = _Builder(Traced(loss_fn, caller), estimator, structure, where, caller)
+    return builder(model, batch, key, full=False)[0]
+
+
+def value_grad_and_curvature(
+    loss_fn: Callable,
+    *,
+    estimator: AbstractEstimator,
+    structure: AbstractStructure,
+    has_aux: bool = False,
+    surrogate: bool = False,
+    where=None,
+) -> Callable:
+    """Loss, gradient and curvature from one forward pass and one stacked VJP.
+
+    **Arguments:**
+
+    - `loss_fn`: `loss_fn(model, batch)`, returning the scalar loss, or
+      `(loss, aux)` with `has_aux=True`, or `(loss, gradient_surrogate)` with
+      `surrogate=True` (gradients are those of the surrogate, the value reported is
+      the loss, curvature that of the registered losses).
+    - `estimator`, `structure`, `where`: as for `eqfisher.curvature`.
+
+    **Returns:**
+
+    A function `(model, batch, *, key=None) -> (value, grads, curvature)`; `value`
+    is `(loss, aux)` with `has_aux`; `grads` is shaped like `eqx.filter_grad`'s.
+    For K-FAC the curvature statistics come from the same forward and VJP as the
+    gradient; structures that need exact per-example Jacobians (`Dense`,
+    `BlockDiagonal`, `Diagonal`, EKFAC's scales, leaves in no layer) add a
+    per-example pass.
+    """
+    caller = "eqfisher.value_grad_and_curvature"
+    if has_aux and surrogate:
+        raise ValueError(f"`{caller}`: pass at most one of `has_aux` and `surrogate`.")
+    traced = Traced(loss_fn, caller)
+
+    def cotangent_fn(outputs):
+        which = 1 if surrogate else 0
+        return tuple(
+            (jnp.ones_like(o) if i == which else jnp.zeros_like(o))
+            if jnp.issubdtype(o.dtype, jnp.inexact)
+            else np.zeros(o.shape, jax.dtypes.float0)
+            for i, o in enumerate(outputs)
+        )
+
+    def fn(model, batch, *, key=None):
+        _check_args(caller, estimator, structure, key)
+        builder = _Builder(traced, estimator, structure, where, caller)
+        curv, outputs, grads, s = builder(
+            model, batch, key, full=True, cotangent_fn=cotangent_fn
+        )
+        program_outputs = outputs[0]
+        params = eqx.filter(model, eqx.is_inexact_array)
+        grads = jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(params), grads
+        )
+        loss = program_outputs[0]
+        if has_aux:
+            out_shape = jax.eval_shape(loss_fn, model, batch)
+            aux = jax.tree_util.tree_unflatten(
+                jax.tree_util.tree_structure(out_shape[1]), list(program_outputs[1:])
+            )
+            return (loss, aux), grads, curv
+        return loss, grads, curv
+
+    return fn

@@ -1,0 +1,131 @@
+"""Curvature estimators: which matrix is estimated, as a final Module each.
+
+Every estimator turns one registered loss into *output vectors* V of shape
+`(k, *leading, out)`, scaled so that the estimated curvature is
+
+    C = Σₙ Σₖ Jₙᵀ V[k, n] V[k, n]ᵀ Jₙ,
+
+with Jₙ the Jacobian of example n's loss inputs w.r.t. the parameters. The weights
+wₙ of the loss value (1/N for a mean) are folded into V as √wₙ.
+"""
+
+import abc
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from .tracing import RegisteredLoss
+
+
+class AbstractEstimator(eqx.Module):
+    """Which curvature matrix to estimate."""
+
+    needs_key: eqx.AbstractClassVar[bool]
+
+    @abc.abstractmethod
+    def output_vectors(
+        self, loss: RegisteredLoss, key: PRNGKeyArray | None
+    ) -> Float[Array, "k *leading out"]:
+        """The scaled vectors V whose outer products give the loss-output curvature."""
+
+
+def _sqrt_weights(loss: RegisteredLoss) -> Array:
+    return jnp.sqrt(loss.weights())[..., None]
+
+
+class GGN(AbstractEstimator):
+    """The generalised Gauss-Newton matrix (1/N) Σₙ Jₙᵀ Hₙ Jₙ, Hₙ the loss Hessian.
+
+    Uses a square-root factor of each Hₙ (one output vector per output coordinate),
+    batched over coordinates.
+    """
+
+    needs_key = False
+
+    def output_vectors(self, loss, key):
+        s = loss.family.sqrt_hessian(loss.inputs)  # (*leading, out, k)
+        return jnp.moveaxis(s * _sqrt_weights(loss)[..., None], -1, 0)
+
+
+class FisherExact(AbstractEstimator):
+    """The Fisher information under the model's predictive distribution, exactly.
+
+    For the registered losses (negative log-likelihoods of exponential families in
+    their natural parameters) it equals the GGN.
+    """
+
+    needs_key = False
+
+    def output_vectors(self, loss, key):
+        return GGN().output_vectors(loss, key)
+
+
+class FisherMC(AbstractEstimator):
+    """The Fisher estimated with `samples` targets drawn from the model per example.
+
+    **Arguments:**
+
+    - `samples`: how many targets to draw per example (at least 1).
+    """
+
+    samples: int = eqx.field(static=True, default=1)
+    needs_key = True
+
+    def __check_init__(self):
+        if not isinstance(self.samples, int) or self.samples < 1:
+            raise ValueError(
+                f"`eqfisher.FisherMC(samples=...)`: `samples` must be a positive int, "
+                f"got {self.samples!r}."
+            )
+
+    def output_vectors(self, loss, key):
+        keys = jax.random.split(key, self.samples)
+        inputs = jax.lax.stop_gradient(loss.inputs)
+
+        def one(k):
+            targets = loss.family.sample(k, inputs)
+            return loss.family.output_gradient(inputs, targets)
+
+        grads = jax.vmap(one)(keys)
+        scale = jnp.sqrt(jnp.asarray(1.0 / self.samples, inputs.dtype))
+        return grads * _sqrt_weights(loss) * scale
+
+
+class EmpiricalFisher(AbstractEstimator):
+    """Σₙ wₙ ∇ℓₙ ∇ℓₙᵀ: outer products of per-example gradients at the data targets."""
+
+    needs_key = False
+
+    def output_vectors(self, loss, key):
+        grads = loss.family.output_gradient(loss.inputs, loss.targets)
+        return (grads * _sqrt_weights(loss))[None]
+
+
+def stacked_vectors(
+    estimator: AbstractEstimator,
+    losses: tuple[RegisteredLoss, ...],
+    key: PRNGKeyArray | None,
+) -> tuple[Array, ...]:
+    """One `(K, *inputs.shape)` cotangent per loss, K = Σ over losses of their k.
+
+    Column blocks belong to one loss each and are zero for the others, so a single
+    batched VJP over K pulls back every loss's vectors at once.
+    """
+    keys = (
+        [None] * len(losses)
+        if key is None
+        else list(jax.random.split(key, len(losses)))
+    )
+    per_loss = [
+        jax.lax.stop_gradient(estimator.output_vectors(loss, k))
+        for loss, k in zip(losses, keys)
+    ]
+    total = sum(v.shape[0] for v in per_loss)
+    out, start = [], 0
+    for v in per_loss:
+        full = jnp.zeros((total,) + v.shape[1:], v.dtype)
+        out.append(full.at[start : start + v.shape[0]].set(v))
+        start += v.shape[0]
+    return tuple(out)

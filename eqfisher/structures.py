@@ -1,0 +1,103 @@
+"""Curvature structures: how the curvature matrix is approximated, one Module each.
+
+| structure | dense / conv / embedding layer | scale-and-shift layer | leaf in no layer |
+|---|---|---|---|
+| `Dense()` | one `Full` block over every selected parameter | same | same |
+| `BlockDiagonal()` | `Full` block per layer | `Full` | `Full` per leaf |
+| `Diagonal()` | `Diagonal` (exact diagonal) | `Diagonal` | `Diagonal` |
+| `KFAC()` | `KroneckerFactored` | `Diagonal` (exact) | `Diagonal` (exact) |
+| `EKFAC()` | `EigenKroneckerFactored` | `Diagonal` (exact) | `Diagonal` (exact) |
+
+An embedding's K-FAC input factor is diagonal (token frequencies), stored densely.
+"""
+
+import dataclasses
+
+import equinox as eqx
+
+from .layers import LayerRecord
+from .tracing import ProcessedTrace
+
+
+class AbstractStructure(eqx.Module):
+    """How the curvature is approximated."""
+
+
+class Dense(AbstractStructure):
+    """One dense matrix over all selected parameters (small models only)."""
+
+
+class BlockDiagonal(AbstractStructure):
+    """A dense block per layer; leaves in no layer get their own dense block."""
+
+
+class Diagonal(AbstractStructure):
+    """The exact diagonal of the curvature."""
+
+
+class KFAC(AbstractStructure):
+    """Kronecker-factored blocks for dense, conv and embedding layers (K-FAC).
+
+    A = mean over locations of ã ãᵀ (ã = [a; 1] with a bias), G = Σ over locations of
+    g gᵀ, g the output cotangents of the loss-weighted output vectors; for one
+    example A ⊗ G is the exact block. Layers applied at several locations (sequence
+    positions, conv patches) use the "expand" variant of Eschenhagen et al. (2023).
+    """
+
+
+class EKFAC(AbstractStructure):
+    """K-FAC eigenbases with the exact diagonal of the curvature in that basis."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """The parameter leaves of one block, and the layer they come from (if any)."""
+
+    name: str
+    leaves: tuple[int, ...]
+    record: LayerRecord | None
+    kronecker: bool
+
+    @property
+    def needs_examples(self) -> bool:
+        """Whether the block needs exact per-example parameter vectors."""
+        return not self.kronecker or self.ekfac
+
+    ekfac: bool = False
+
+
+def groups(
+    structure: AbstractStructure,
+    processed: ProcessedTrace,
+    selected: list[int],
+    caller: str,
+) -> list[Group]:
+    """The blocks `structure` builds over the `selected` parameter leaves."""
+    chosen = set(selected)
+    if isinstance(structure, Dense):
+        return [Group("all", tuple(selected), None, False)]
+    out, covered = [], set()
+    for r in processed.layers:
+        leaves = tuple(i for i in r.param_indices if i in chosen)
+        if not leaves:
+            continue
+        covered.update(leaves)
+        weight_in = r.weight_perm is not None and r.param_indices[0] in chosen
+        kron = isinstance(structure, (KFAC, EKFAC)) and r.kind != "scale_and_shift"
+        if kron and weight_in:
+            if r.kind == "conv" and r.core.params["feature_group_count"] != 1:
+                raise ValueError(
+                    f"`{caller}(..., structure={structure!r})`: layer `{r.info.name}` "
+                    "is a grouped convolution, which K-FAC does not support yet; "
+                    "exclude it with `where=` or use structure=eqfisher.Diagonal()."
+                )
+            out.append(
+                Group(r.info.name, leaves, r, True, isinstance(structure, EKFAC))
+            )
+        else:
+            out.append(Group(r.info.name, leaves, r, False))
+    for i in selected:
+        if i not in covered:
+            out.append(Group(processed.param_paths[i].lstrip("."), (i,), None, False))
+    out.sort(key=lambda g: min(g.leaves))
+    return out
