@@ -1,7 +1,12 @@
 """eqfisher: curvature for Equinox models, as typed lineax operators."""
 
 from . import blocks as blocks, filters as filters, losses as losses
-from ._stop_hessian import stop_hessian as stop_hessian
+from .products import (
+    empirical_fisher_operator as empirical_fisher_operator,
+    ggn_operator as ggn_operator,
+    hessian_operator as hessian_operator,
+    stop_hessian as stop_hessian,
+)
 from .curvature import (
     Curvature as Curvature,
     curvature as curvature,

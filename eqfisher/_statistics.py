@@ -39,8 +39,7 @@ def input_matrix(record: LayerRecord, x: Array, with_bias: bool) -> Array:
         )
         a = jnp.moveaxis(patches, dn.out_spec[1], -1).reshape(-1, record.d_in)
     elif record.kind == "embedding":
-        ids = x[..., 0].reshape(-1)
-        return ids
+        return x[..., record.in_order[0]].reshape(-1)
     else:
         raise ValueError(f"no input matrix for a {record.kind} layer")
     a = a.astype(dtype)
@@ -69,8 +68,14 @@ def kronecker_factors(
         ids = input_matrix(record, x, False)
         counts = jnp.zeros((record.d_in,), dtype).at[ids].add(1)
         return jnp.diag(counts / ids.shape[0]), g
-    a = input_matrix(record, x, with_bias)
-    return ((a.T @ a) / a.shape[0]).astype(dtype), g
+    a = input_matrix(record, x, False)
+    n = a.shape[0]
+    aa = a.T @ a
+    if with_bias:
+        # [a; 1] blocks, without copying `a` into a wider matrix.
+        s = jnp.sum(a, axis=0)
+        aa = jnp.block([[aa, s[:, None]], [s[None, :], jnp.full((1, 1), n, a.dtype)]])
+    return (aa / n).astype(dtype), g
 
 
 def layer_outputs_vjp(

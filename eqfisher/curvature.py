@@ -195,16 +195,18 @@ class _Builder(eqx.Module):
         )
         vectors = stacked_vectors(self.estimator, losses, key)
         k = vectors[0].shape[0]
+        grads = None
         if full:
-            out_ct = cotangent_fn(outputs[0])
-            cts = (
-                tuple(_stack_first(c, k) for c in out_ct),
-                tuple(jnp.concatenate([jnp.zeros_like(v[:1]), v]) for v in vectors),
-            )
+            # The gradient and the curvature vectors are pulled back by separate
+            # calls of the same VJP: batching them would also compute K unused
+            # weight gradients, which XLA cannot remove from a batched product.
+            zero_tags = tuple(jnp.zeros_like(v[0]) for v in vectors)
+            grads = vjp((cotangent_fn(outputs[0]), zero_tags))[0]
+            zero_out = tuple(_zeros(c, k) for c in cotangent_fn(outputs[0]))
+            cts = (zero_out, vectors)
         else:
             cts = vectors
-        p_ct, point_ct = jax.vmap(vjp)(cts)
-        grads = [g[0] for g in p_ct] if full else None
+        _, point_ct = jax.vmap(vjp)(cts)
         params = eqx.filter(model, eqx.is_inexact_array)
         need_examples = [g for g in grouping if g.needs_examples]
         rows = {}
@@ -216,11 +218,7 @@ class _Builder(eqx.Module):
         position = {p: j for j, p in enumerate(selected)}
         for g in grouping:
             x = inputs[records.index(g.record)] if g.kronecker else None
-            gs = (
-                point_ct[g.record.outputs][1:]
-                if (g.kronecker and full)
-                else (point_ct[g.record.outputs] if g.kronecker else None)
-            )
+            gs = point_ct[g.record.outputs] if g.kronecker else None
             blocks[g.name] = _block(self.structure, g, s.params, x, gs, rows)
             indices.append(tuple(position[i] for i in g.leaves))
         p_leaves = jax.tree_util.tree_leaves(params)
@@ -235,11 +233,11 @@ class _Builder(eqx.Module):
         return curv, outputs, grads, s
 
 
-def _stack_first(c, k: int):
-    """`c` followed by k zero cotangents, stacked on a new leading axis."""
+def _zeros(c, k: int):
+    """k zero cotangents shaped like `c`, stacked on a new leading axis."""
     if c.dtype == jax.dtypes.float0:
-        return np.zeros((k + 1,) + c.shape, c.dtype)
-    return jnp.concatenate([c[None], jnp.zeros((k,) + c.shape, c.dtype)])
+        return np.zeros((k,) + c.shape, c.dtype)
+    return jnp.zeros((k,) + c.shape, c.dtype)
 
 
 def _block(structure, g: Group, params, x, g_stack, rows) -> AbstractBlock:

@@ -1,0 +1,207 @@
+import abc
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import lineax as lx
+from jaxtyping import Array, Float, ScalarLike
+
+
+Operand = tuple[Float[Array, "..."], ...]
+Structure = tuple[jax.ShapeDtypeStruct, ...]
+
+
+class AbstractBlock(lx.AbstractLinearOperator):
+    """The curvature matrix B (symmetric positive semidefinite) of one layer.
+
+    A block is a [`lineax.AbstractLinearOperator`][] whose operand is a tuple of
+    arrays: the layer's parameter leaves in model order, e.g. `(weight, bias)`.
+    Dense matrices (`as_matrix`) order coordinates as
+    `jax.flatten_util.ravel_pytree` of that tuple: leaf 0 ravelled row-major, then
+    leaf 1, and so on.
+
+    Every block is tagged symmetric and positive semidefinite for lineax, so
+    `lineax.linear_solve(block, v, lineax.CG(...))` works. `lineax` cannot tell the
+    sign of a scalar held in an array, so wrap a damped sum in
+    `lineax.TaggedLinearOperator(block + damping * identity,
+    lineax.positive_semidefinite_tag)` before solving it with CG.
+
+    `damping` must be a positive scalar, `decay` a scalar in [0, 1], `c` a
+    non-negative scalar: a concrete value out of range raises `ValueError`; a
+    traced one is checked at run time with `eqx.error_if`.
+    """
+
+    @abc.abstractmethod
+    def solve(self, vector: Operand, damping: ScalarLike) -> Operand:
+        """The exact damped inverse product (B + damping·I)⁻¹ v.
+
+        **Arguments:**
+
+        - `vector`: a tuple of arrays shaped like the operand.
+        - `damping`: a positive scalar.
+
+        **Returns:**
+
+        A tuple of arrays shaped like `vector`.
+        """
+
+    @abc.abstractmethod
+    def diagonal(self) -> Operand:
+        """The diagonal of B, as a tuple of arrays shaped like the operand."""
+
+    @abc.abstractmethod
+    def logdet(self, damping: ScalarLike) -> Float[Array, ""]:
+        """log det(B + damping·I), for a positive scalar `damping`."""
+
+    @abc.abstractmethod
+    def trace(self) -> Float[Array, ""]:
+        """The trace of B."""
+
+    @abc.abstractmethod
+    def eigenvalues(self) -> Float[Array, " size"]:
+        """All eigenvalues of B (with multiplicity) as a flat vector.
+
+        The order depends on the block type; see its documentation.
+        """
+
+    @abc.abstractmethod
+    def ema(self, other: "AbstractBlock", decay: ScalarLike) -> "AbstractBlock":
+        """An exponential moving average `decay·self + (1 − decay)·other`.
+
+        **Arguments:**
+
+        - `other`: a block of the same type and operand structure (the new estimate).
+        - `decay`: a scalar in [0, 1]; the weight of `self` (the old estimate).
+
+        **Returns:**
+
+        A block of the same type. See the block type for what is averaged.
+        """
+
+    @abc.abstractmethod
+    def scale(self, c: ScalarLike) -> "AbstractBlock":
+        """The block c·B, for a non-negative scalar `c`."""
+
+    def transpose(self) -> "AbstractBlock":
+        return self
+
+    def out_structure(self) -> Structure:
+        return self.in_structure()
+
+
+def check_damping(damping: ScalarLike, dtype) -> Float[Array, ""]:
+    """`damping` as a scalar array of `dtype`, after checking it is positive."""
+    if jnp.shape(damping) != ():
+        raise ValueError(f"`damping` must be a scalar, got shape {jnp.shape(damping)}.")
+    message = "`damping` must be positive: B + damping·I must be positive definite."
+    if isinstance(damping, jax.core.Tracer):
+        return eqx.error_if(jnp.asarray(damping, dtype), damping <= 0, message)
+    if not float(damping) > 0:
+        raise ValueError(f"{message} Got {damping}.")
+    return jnp.asarray(damping, dtype)
+
+
+def check_scalar(value: ScalarLike, name: str, dtype, *, upper: float | None = None):
+    """`value` as a scalar array of `dtype`, after checking 0 <= value (<= upper)."""
+    if jnp.shape(value) != ():
+        raise ValueError(f"`{name}` must be a scalar, got shape {jnp.shape(value)}.")
+    bounds = "[0, inf)" if upper is None else f"[0, {upper:g}]"
+    message = f"`{name}` must lie in {bounds}."
+    if isinstance(value, jax.core.Tracer):
+        bad = (value < 0) | (False if upper is None else value > upper)
+        return eqx.error_if(jnp.asarray(value, dtype), bad, message)
+    v = float(value)
+    if not (v >= 0 and (upper is None or v <= upper)):
+        raise ValueError(f"{message} Got {value}.")
+    return jnp.asarray(value, dtype)
+
+
+def check_same(block: AbstractBlock, other: AbstractBlock, method: str) -> None:
+    """Checks that `other` has the type and operand structure of `block`."""
+    if type(other) is not type(block):
+        raise TypeError(
+            f"`{type(block).__name__}.{method}(other, ...)` needs `other` of type "
+            f"{type(block).__name__}, got {type(other).__name__}."
+        )
+    if other.in_structure() != block.in_structure():
+        raise ValueError(
+            f"`{type(block).__name__}.{method}(other, ...)`: `other` acts on "
+            f"{other.in_structure()}, but this block on {block.in_structure()}."
+        )
+
+
+def structure_size(structure: Structure) -> int:
+    return sum(math.prod(s.shape) for s in structure)
+
+
+def normalise_structure(structure) -> Structure:
+    """A tuple of plain `jax.ShapeDtypeStruct` (no sharding, no weak type)."""
+    return tuple(jax.ShapeDtypeStruct(tuple(s.shape), s.dtype) for s in structure)
+
+
+def ravel(vector: Operand) -> Float[Array, " size"]:
+    return jnp.concatenate([jnp.ravel(x) for x in vector])
+
+
+def unravel(flat: Float[Array, " size"], structure: Structure) -> Operand:
+    out = []
+    start = 0
+    for s in structure:
+        size = math.prod(s.shape)
+        out.append(flat[start : start + size].reshape(s.shape))
+        start += size
+    return tuple(out)
+
+
+def check_operand(vector: Operand, structure: Structure, method: str) -> None:
+    shapes = tuple(jnp.shape(x) for x in vector)
+    if shapes != tuple(s.shape for s in structure):
+        raise ValueError(
+            f"`{method}(vector, ...)`: `vector` has leaf shapes {shapes}, but the "
+            f"block acts on {tuple(s.shape for s in structure)}."
+        )
+
+
+# lineax queries its operators through `functools.singledispatch` functions; each
+# needs a registration, or lineax raises `NotImplementedError`. Registering the
+# abstract base covers every block (dispatch follows the MRO); `Diagonal` overrides
+# the structural tags in its own file.
+
+
+@lx.is_symmetric.register(AbstractBlock)
+@lx.is_positive_semidefinite.register(AbstractBlock)
+def _(operator):
+    return True
+
+
+@lx.is_negative_semidefinite.register(AbstractBlock)
+@lx.is_diagonal.register(AbstractBlock)
+@lx.is_tridiagonal.register(AbstractBlock)
+@lx.is_lower_triangular.register(AbstractBlock)
+@lx.is_upper_triangular.register(AbstractBlock)
+@lx.has_unit_diagonal.register(AbstractBlock)
+def _(operator):
+    return False
+
+
+@lx.linearise.register(AbstractBlock)
+@lx.materialise.register(AbstractBlock)
+@lx.conj.register(AbstractBlock)  # blocks are real
+def _(operator):
+    return operator
+
+
+@lx.diagonal.register(AbstractBlock)
+def _(operator):
+    return ravel(operator.diagonal())
+
+
+@lx.tridiagonal.register(AbstractBlock)
+def _(operator):
+    matrix = operator.as_matrix()
+    return (
+        jnp.diagonal(matrix),
+        jnp.diagonal(matrix, offset=-1),
+        jnp.diagonal(matrix, offset=1),
+    )

@@ -1,0 +1,103 @@
+import jax.numpy as jnp
+import lineax as lx
+from jaxtyping import Array, ArrayLike, Float, ScalarLike
+
+from ._base import (
+    AbstractBlock,
+    Operand,
+    Structure,
+    check_damping,
+    check_operand,
+    check_same,
+    check_scalar,
+    normalise_structure,
+    ravel,
+)
+
+
+class Diagonal(AbstractBlock):
+    """A diagonal curvature block.
+
+    **Fields:**
+
+    - `diag`: the diagonal of B as a tuple of non-negative arrays, one per operand
+        leaf and shaped like it. The operand structure is read from it.
+
+    `eigenvalues` are the ravelled diagonal (operand order, unsorted).
+    """
+
+    diag: tuple[Float[Array, "..."], ...]
+
+    def __init__(self, diag: tuple[Float[ArrayLike, "..."], ...]):
+        """**Arguments:**
+
+        - `diag`: the diagonal of B, a tuple of arrays shaped like the operand.
+        """
+        self.diag = tuple(jnp.asarray(d) for d in diag)
+
+    def __check_init__(self):
+        if len(self.diag) == 0:
+            raise ValueError("`Diagonal(diag)`: `diag` must have at least one leaf.")
+        dtypes = {x.dtype for x in self.diag}
+        if len(dtypes) != 1:
+            raise ValueError(
+                f"`Diagonal(diag)`: the leaves of `diag` must share one dtype, got "
+                f"{sorted(str(d) for d in dtypes)}."
+            )
+
+    def mv(self, vector: Operand) -> Operand:
+        check_operand(vector, self.in_structure(), "Diagonal.mv")
+        return tuple(d * x for d, x in zip(self.diag, vector, strict=True))
+
+    def as_matrix(self) -> Float[Array, "size size"]:
+        return jnp.diag(ravel(self.diag))
+
+    def in_structure(self) -> Structure:
+        return normalise_structure(self.diag)
+
+    def solve(self, vector: Operand, damping: ScalarLike) -> Operand:
+        check_operand(vector, self.in_structure(), "Diagonal.solve")
+        damping = check_damping(damping, self.diag[0].dtype)
+        return tuple(x / (d + damping) for d, x in zip(self.diag, vector, strict=True))
+
+    def diagonal(self) -> Operand:
+        return self.diag
+
+    def logdet(self, damping: ScalarLike) -> Float[Array, ""]:
+        damping = check_damping(damping, self.diag[0].dtype)
+        return jnp.sum(jnp.log(ravel(self.diag) + damping))
+
+    def trace(self) -> Float[Array, ""]:
+        return jnp.sum(ravel(self.diag))
+
+    def eigenvalues(self) -> Float[Array, " size"]:
+        return ravel(self.diag)
+
+    def ema(self, other: "Diagonal", decay: ScalarLike) -> "Diagonal":
+        check_same(self, other, "ema")
+        decay = check_scalar(decay, "decay", self.diag[0].dtype, upper=1.0)
+        return Diagonal(
+            tuple(
+                decay * d + (1 - decay) * e
+                for d, e in zip(self.diag, other.diag, strict=True)
+            )
+        )
+
+    def scale(self, c: ScalarLike) -> "Diagonal":
+        c = check_scalar(c, "c", self.diag[0].dtype)
+        return Diagonal(tuple(c * d for d in self.diag))
+
+
+@lx.is_diagonal.register(Diagonal)
+@lx.is_tridiagonal.register(Diagonal)
+@lx.is_lower_triangular.register(Diagonal)
+@lx.is_upper_triangular.register(Diagonal)
+def _(operator):
+    return True
+
+
+@lx.tridiagonal.register(Diagonal)
+def _(operator):
+    diag = ravel(operator.diag)
+    off = jnp.zeros(diag.shape[0] - 1, diag.dtype)
+    return diag, off, off

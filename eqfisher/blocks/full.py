@@ -1,0 +1,104 @@
+import equinox as eqx
+import jax.numpy as jnp
+import jax.scipy.linalg as jsl
+from jaxtyping import Array, ArrayLike, Float, ScalarLike
+
+from ._base import (
+    AbstractBlock,
+    Operand,
+    Structure,
+    check_damping,
+    check_operand,
+    check_same,
+    check_scalar,
+    normalise_structure,
+    ravel,
+    structure_size,
+    unravel,
+)
+
+
+class Full(AbstractBlock):
+    """A dense curvature block: the whole (P, P) matrix of one layer.
+
+    **Fields:**
+
+    - `matrix`: the symmetric PSD matrix B, shape `(P, P)`, rows and columns in the
+        `ravel_pytree` order of the operand tuple.
+    - `structure`: the operand, a tuple of `jax.ShapeDtypeStruct` (static).
+
+    `solve` and `logdet` use a Cholesky factorisation of B + damping·I;
+    `eigenvalues` are in ascending order (`jnp.linalg.eigvalsh`).
+    """
+
+    matrix: Float[Array, "size size"]
+    structure: Structure = eqx.field(static=True)
+
+    def __init__(
+        self, matrix: Float[ArrayLike, "size size"], structure: tuple[object, ...]
+    ):
+        """**Arguments:**
+
+        - `matrix`: the symmetric PSD matrix, shape `(P, P)`, in the ravel order of
+            the operand.
+        - `structure`: the operand's leaves, as anything with `.shape` and `.dtype`
+            (arrays or `jax.ShapeDtypeStruct`s), e.g. `(weight, bias)`.
+        """
+        self.matrix = jnp.asarray(matrix)
+        self.structure = normalise_structure(structure)
+
+    def __check_init__(self):
+        size = structure_size(self.structure)
+        if self.matrix.shape != (size, size):
+            raise ValueError(
+                f"`Full(matrix, structure)`: `matrix` has shape {self.matrix.shape}, "
+                f"but `structure` {self.structure} has {size} coordinates."
+            )
+        if any(s.dtype != self.matrix.dtype for s in self.structure):
+            raise ValueError(
+                f"`Full(matrix, structure)`: the dtypes of `structure` must all be "
+                f"the dtype of `matrix`, {self.matrix.dtype}."
+            )
+
+    def mv(self, vector: Operand) -> Operand:
+        check_operand(vector, self.structure, "Full.mv")
+        return unravel(self.matrix @ ravel(vector), self.structure)
+
+    def as_matrix(self) -> Float[Array, "size size"]:
+        return self.matrix
+
+    def in_structure(self) -> Structure:
+        return self.structure
+
+    def _cholesky(self, damping: ScalarLike) -> Float[Array, "size size"]:
+        damping = check_damping(damping, self.matrix.dtype)
+        eye = jnp.eye(self.matrix.shape[0], dtype=self.matrix.dtype)
+        return jnp.linalg.cholesky(self.matrix + damping * eye)
+
+    def solve(self, vector: Operand, damping: ScalarLike) -> Operand:
+        check_operand(vector, self.structure, "Full.solve")
+        factor = self._cholesky(damping)
+        out = jsl.cho_solve((factor, True), ravel(vector))
+        return unravel(out, self.structure)
+
+    def diagonal(self) -> Operand:
+        return unravel(jnp.diagonal(self.matrix), self.structure)
+
+    def logdet(self, damping: ScalarLike) -> Float[Array, ""]:
+        return 2 * jnp.sum(jnp.log(jnp.diagonal(self._cholesky(damping))))
+
+    def trace(self) -> Float[Array, ""]:
+        return jnp.trace(self.matrix)
+
+    def eigenvalues(self) -> Float[Array, " size"]:
+        return jnp.linalg.eigvalsh(self.matrix)
+
+    def ema(self, other: "Full", decay: ScalarLike) -> "Full":
+        check_same(self, other, "ema")
+        decay = check_scalar(decay, "decay", self.matrix.dtype, upper=1.0)
+        matrix = decay * self.matrix + (1 - decay) * other.matrix
+        return Full(matrix, self.structure)
+
+    def scale(self, c: ScalarLike) -> "Full":
+        c = check_scalar(c, "c", self.matrix.dtype)
+        return Full(c * self.matrix, self.structure)

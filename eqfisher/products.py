@@ -1,0 +1,91 @@
+"""Exact, matrix-free curvature products as lineax operators, and `stop_hessian`."""
+
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import lineax as lx
+from jaxtyping import Array, Float, PyTree
+
+from ._stop_hessian import stop_hessian as stop_hessian
+from .tracing import Traced, split
+
+
+def _structure(model: PyTree) -> PyTree:
+    params = eqx.filter(model, eqx.is_inexact_array)
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+
+
+def _tag_fn(loss_fn: Callable, model: PyTree, batch: PyTree, caller: str):
+    """`(params_tree -> tag inputs)`, the registered losses, and rebuild helpers."""
+    s = split(model, batch)
+    processed = Traced(loss_fn, caller).trace(s)
+
+    def fn(params):
+        leaves = jax.tree_util.tree_leaves(params)
+        ev = processed.run(leaves + s.others + s.batch)
+        return tuple(t[0] for t in ev.tags), processed.losses(ev)
+
+    return fn, eqx.filter(model, eqx.is_inexact_array)
+
+
+def _output_product(loss_fn, model, batch, caller, weigh: Callable) -> lx.FunctionLinearOperator:
+    fn, params = _tag_fn(loss_fn, model, batch, caller)
+    _, jvp_fn, losses = jax.linearize(fn, params, has_aux=True)
+    vjp_fn = jax.linear_transpose(jvp_fn, params)
+
+    def mv(v):
+        jv = jvp_fn(v)
+        return vjp_fn(tuple(weigh(loss, t) for loss, t in zip(losses, jv)))[0]
+
+    return lx.FunctionLinearOperator(
+        mv, _structure(model), tags=(lx.symmetric_tag, lx.positive_semidefinite_tag)
+    )
+
+
+def ggn_operator(
+    loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]], model: PyTree, batch: PyTree
+) -> lx.FunctionLinearOperator:
+    """The exact GGN Σₙ wₙ Jₙᵀ Hₙ Jₙ as a matrix-free lineax operator.
+
+    One Jacobian-vector product, the loss Hessians, and one vector-Jacobian product
+    per `mv`; symmetric and positive-semidefinite, so `lineax.CG` works on it (add
+    damping first). The operand is a PyTree like `eqx.filter(model,
+    eqx.is_inexact_array)`.
+    """
+
+    def weigh(loss, t):
+        w = loss.weights()[..., None]
+        return w * loss.family.hessian_mv(loss.inputs, t)
+
+    return _output_product(loss_fn, model, batch, "eqfisher.ggn_operator", weigh)
+
+
+def empirical_fisher_operator(
+    loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]], model: PyTree, batch: PyTree
+) -> lx.FunctionLinearOperator:
+    """The exact empirical Fisher Σₙ wₙ ∇ℓₙ ∇ℓₙᵀ, matrix-free."""
+
+    def weigh(loss, t):
+        r = loss.family.output_gradient(loss.inputs, loss.targets)
+        w = loss.weights()[..., None]
+        return w * r * jnp.sum(r * t, axis=-1, keepdims=True)
+
+    return _output_product(
+        loss_fn, model, batch, "eqfisher.empirical_fisher_operator", weigh
+    )
+
+
+def hessian_operator(
+    loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]], model: PyTree, batch: PyTree
+) -> lx.FunctionLinearOperator:
+    """The exact Hessian of `loss_fn` in the parameters, matrix-free (symmetric, not
+    necessarily positive-semidefinite), by forward-over-reverse differentiation."""
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+
+    def grad(p):
+        return jax.grad(lambda q: loss_fn(eqx.combine(q, static), batch))(p)
+
+    _, hvp = jax.linearize(grad, params)
+    return lx.FunctionLinearOperator(hvp, _structure(model), tags=(lx.symmetric_tag,))
