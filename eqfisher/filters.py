@@ -1,0 +1,309 @@
+"""Picking parameter leaves of a model: filters, partitions and selective stop-gradient.
+
+A *parameter* is an inexact array leaf, as in `eqx.filter(model, eqx.is_inexact_array)`.
+Every function here takes a `where` saying which parameters to pick. It is either
+
+- an [`eqfisher.filters.AbstractFilter`][], such as `by_path("layers[0].*")` or
+  `by_type(eqx.nn.Linear)`, combined with `&`, `|` and `~`; or
+- an Equinox filter spec: a PyTree prefix of the model whose leaves are `bool`s or
+  callables `leaf -> bool`, exactly as accepted by `eqx.filter`.
+
+Only parameters are ever picked, whatever `where` says about other leaves; a `where`
+that picks no parameter raises a `ValueError` listing the model's parameter paths.
+"""
+
+import abc
+import re
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+from jaxtyping import PyTree
+
+
+_KeyPath = tuple[Any, ...]
+
+
+class AbstractFilter(eqx.Module):
+    """A predicate on the leaves of a model, combinable with `&`, `|` and `~`.
+
+    Subclasses implement `__call__(path, leaf, nodes) -> bool`: `path` is the leaf's
+    key path (as from `jax.tree_util.tree_flatten_with_path`) and `nodes` the nodes
+    it walks through, from the model down to the leaf's parent (`path[i]` indexes
+    into `nodes[i]`). Filters are evaluated on a model by [`eqfisher.filters.mask`][].
+    """
+
+    @abc.abstractmethod
+    def __call__(self, path: _KeyPath, leaf: Any, nodes: tuple[Any, ...]) -> bool:
+        raise NotImplementedError
+
+    def __and__(self, other: "AbstractFilter") -> "AbstractFilter":
+        return _And(self, other)
+
+    def __or__(self, other: "AbstractFilter") -> "AbstractFilter":
+        return _Or(self, other)
+
+    def __invert__(self) -> "AbstractFilter":
+        return _Not(self)
+
+
+class _And(AbstractFilter):
+    left: AbstractFilter
+    right: AbstractFilter
+
+    def __call__(self, path: _KeyPath, leaf: Any, nodes: tuple[Any, ...]) -> bool:
+        return self.left(path, leaf, nodes) and self.right(path, leaf, nodes)
+
+    def __repr__(self) -> str:
+        wrap = lambda f: f"({f!r})" if isinstance(f, _Or) else repr(f)
+        return f"{wrap(self.left)} & {wrap(self.right)}"
+
+
+class _Or(AbstractFilter):
+    left: AbstractFilter
+    right: AbstractFilter
+
+    def __call__(self, path: _KeyPath, leaf: Any, nodes: tuple[Any, ...]) -> bool:
+        return self.left(path, leaf, nodes) or self.right(path, leaf, nodes)
+
+    def __repr__(self) -> str:
+        return f"{self.left!r} | {self.right!r}"
+
+
+class _Not(AbstractFilter):
+    operand: AbstractFilter
+
+    def __call__(self, path: _KeyPath, leaf: Any, nodes: tuple[Any, ...]) -> bool:
+        return not self.operand(path, leaf, nodes)
+
+    def __repr__(self) -> str:
+        binary = isinstance(self.operand, (_And, _Or))
+        return f"~({self.operand!r})" if binary else f"~{self.operand!r}"
+
+
+class _ByPath(AbstractFilter):
+    pattern: str = eqx.field(static=True)
+
+    def __call__(self, path: _KeyPath, leaf: Any, nodes: tuple[Any, ...]) -> bool:
+        # `re` caches compiled patterns, so translating the glob per call is cheap.
+        parts = self.pattern.removeprefix(".").split("*")
+        regex = ".*".join(re.escape(part) for part in parts)
+        key = jtu.keystr(path).removeprefix(".")
+        return re.fullmatch(regex, key, re.DOTALL) is not None
+
+    def __repr__(self) -> str:
+        return f"by_path({self.pattern!r})"
+
+
+class _ByType(AbstractFilter):
+    cls: type = eqx.field(static=True)
+
+    def __call__(self, path: _KeyPath, leaf: Any, nodes: tuple[Any, ...]) -> bool:
+        return any(isinstance(node, self.cls) for node in nodes)
+
+    def __repr__(self) -> str:
+        return f"by_type({self.cls.__name__})"
+
+
+def by_path(pattern: str) -> AbstractFilter:
+    """Select leaves whose `jax.tree_util.keystr` path matches a glob pattern.
+
+    `*` matches any run of characters (dots and brackets included); every other
+    character is literal, brackets too, since key paths contain them. The leading
+    `.` of an attribute path is optional.
+
+    ```python
+    by_path("layers[0].*")     # .layers[0].weight, .layers[0].bias
+    by_path("*.weight")        # every weight
+    by_path("layers[*].bias")  # the bias of every layer
+    by_path("['encoder']*")    # everything under the dict key 'encoder'
+    ```
+
+    **Arguments:**
+
+    - `pattern`: the glob pattern.
+
+    **Returns:**
+
+    An [`eqfisher.filters.AbstractFilter`][].
+    """
+    return _ByPath(pattern)
+
+
+def by_type(cls: type) -> AbstractFilter:
+    """Select leaves lying, at any depth, inside a node that is an instance of `cls`.
+
+    `by_type(eqx.nn.Linear)` selects the weight and bias of every `Linear`, however
+    deeply nested; `by_type(eqx.nn.MLP) & ~by_path("*.bias")` the weights of MLPs.
+
+    **Arguments:**
+
+    - `cls`: the node type, typically an `eqx.Module` subclass.
+
+    **Returns:**
+
+    An [`eqfisher.filters.AbstractFilter`][].
+    """
+    if not isinstance(cls, type):
+        raise TypeError(
+            f"`eqfisher.filters.by_type(cls)`: `cls` must be a type, got {cls!r}."
+        )
+    return _ByType(cls)
+
+
+def _leaves_with_nodes(tree: PyTree) -> list[tuple[_KeyPath, Any, tuple[Any, ...]]]:
+    # `(path, leaf, nodes)` for every leaf, in `jax.tree_util.tree_leaves` order.
+    out = []
+
+    def walk(node, path, nodes):
+        # Flatten one level only: every child, subtree or not, comes back as a leaf.
+        children, treedef = jtu.tree_flatten_with_path(node, lambda x: x is not node)
+        if treedef.num_nodes == 1:  # a leaf, or an empty node such as `None`
+            out.extend([(path, node, nodes)] * treedef.num_leaves)
+        else:
+            for key_path, child in children:
+                walk(child, path + key_path, nodes + (node,))
+
+    walk(tree, (), ())
+    return out
+
+
+def _mask(model: PyTree, where: Any, call: str, name: str) -> PyTree[bool]:
+    call = f"eqfisher.filters.{call}"
+    if isinstance(where, AbstractFilter):
+        flags = [where(*entry) for entry in _leaves_with_nodes(model)]
+        selected = jtu.tree_unflatten(jtu.tree_structure(model), flags)
+    else:
+        sentinel = object()
+        try:
+            kept = eqx.filter(model, where, replace=sentinel)
+        except ValueError as e:
+            raise ValueError(
+                f"`{call}`: `{name}` is neither an `eqfisher.filters.AbstractFilter` "
+                f"nor a filter spec (a PyTree prefix of the model): {e}"
+            ) from e
+        selected = jtu.tree_map(lambda leaf: leaf is not sentinel, kept)
+    selected = jtu.tree_map(
+        lambda s, leaf: bool(s) and eqx.is_inexact_array(leaf), selected, model
+    )
+    if not any(jtu.tree_leaves(selected)):
+        leaves = jtu.tree_flatten_with_path(model)[0]
+        paths = [jtu.keystr(p) for p, leaf in leaves if eqx.is_inexact_array(leaf)]
+        more = f" (and {len(paths) - 5} more)" if len(paths) > 5 else ""
+        raise ValueError(
+            f"`{call}`: `{name}` = {where!r} selects no parameter (inexact array "
+            f"leaf); the model's parameter paths include: "
+            f"{', '.join(paths[:5]) or '(none)'}{more}."
+        )
+    return selected
+
+
+def params(model: PyTree) -> PyTree:
+    """The parameters of `model`: `eqx.filter(model, eqx.is_inexact_array)`.
+
+    **Arguments:**
+
+    - `model`: any PyTree, typically an `eqx.Module`.
+
+    **Returns:**
+
+    `model` with every leaf that is not an inexact array replaced by `None`.
+    """
+    return eqx.filter(model, eqx.is_inexact_array)
+
+
+def mask(model: PyTree, where: AbstractFilter | PyTree) -> PyTree[bool]:
+    """Evaluate `where` against `model`.
+
+    **Arguments:**
+
+    - `model`: any PyTree, typically an `eqx.Module`.
+    - `where`: a filter or filter spec (see [`eqfisher.filters`][]).
+
+    **Returns:**
+
+    A PyTree of `bool`s with the structure of `model`: `True` for each parameter
+    `where` selects, `False` for every other leaf. A `where` selecting no parameter
+    raises a `ValueError`.
+    """
+    return _mask(model, where, "mask(model, where)", "where")
+
+
+def partition(model: PyTree, *wheres: AbstractFilter | PyTree) -> tuple[PyTree, ...]:
+    """Split `model` into `len(wheres) + 1` parts, like `eqx.partition`.
+
+    A parameter goes to the part of the first `where` that selects it; the last part
+    holds everything else, non-parameter leaves included, so that
+    `combine(*partition(model, *wheres))` is `model`. For example
+    `head, encoder, rest = partition(model, by_path("head*"), by_type(eqx.nn.MLP))`.
+
+    **Arguments:**
+
+    - `model`: any PyTree, typically an `eqx.Module`.
+    - `*wheres`: filters or filter specs (see [`eqfisher.filters`][]).
+
+    **Returns:**
+
+    A tuple of PyTrees with the structure of `model`, unselected leaves `None`.
+    """
+    n = len(wheres)
+    masks = [
+        _mask(model, w, "partition(model, *wheres)", f"wheres[{i}]")
+        for i, w in enumerate(wheres)
+    ]
+    # The index of the part each leaf goes to; `n` is the rest.
+    first = lambda _, *s: next((i for i, selected in enumerate(s) if selected), n)
+    owner = jtu.tree_map(first, model, *masks)
+    return tuple(
+        eqx.filter(model, jtu.tree_map(lambda o, i=i: o == i, owner))
+        for i in range(n + 1)
+    )
+
+
+# The inverse of `partition`: `combine(*partition(model, *wheres))` is `model`.
+combine = eqx.combine
+
+
+def stop_gradient(model: PyTree, where: AbstractFilter | PyTree) -> PyTree:
+    """A view of `model` whose selected parameters get zero cotangents.
+
+    Values are unchanged, so one function can use several views of one model (say
+    `stop_gradient(model, True)` and `stop_gradient(model, ~by_path("encoder*"))`),
+    each computation running once and each loss training its view's live parameters.
+
+    **Arguments:**
+
+    - `model`: any PyTree, typically an `eqx.Module`.
+    - `where`: the parameters to stop (see [`eqfisher.filters`][]).
+
+    **Returns:**
+
+    `model` with `jax.lax.stop_gradient` applied to the selected parameters.
+    """
+    selected = _mask(model, where, "stop_gradient(model, where)", "where")
+    return jtu.tree_map(
+        lambda s, leaf: jax.lax.stop_gradient(leaf) if s else leaf, selected, model
+    )
+
+
+def optax_mask(model: PyTree, where: AbstractFilter | PyTree) -> PyTree[bool]:
+    """A mask over `params(model)` for `optax.masked` and `optax.multi_transform`.
+
+    To freeze the encoder: `frozen = optax_mask(model, by_path("encoder*"))` and
+    `optax.chain(optax.adam(1e-3), optax.masked(optax.set_to_zero(), frozen))`.
+
+    **Arguments:**
+
+    - `model`: any PyTree, typically an `eqx.Module`.
+    - `where`: the parameters to mark `True` (see [`eqfisher.filters`][]).
+
+    **Returns:**
+
+    A PyTree with the structure of `params(model)` (non-parameters `None`) holding
+    `True` for selected parameters and `False` for the others.
+    """
+    selected = _mask(model, where, "optax_mask(model, where)", "where")
+    return jtu.tree_map(
+        lambda s, leaf: s if eqx.is_inexact_array(leaf) else None, selected, model
+    )
