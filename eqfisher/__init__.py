@@ -1,6 +1,6 @@
 """eqfisher: curvature for Equinox models, as typed lineax operators."""
 
-from . import blocks as blocks, filters as filters, losses as losses
+from . import blocks as blocks, filters as filters, losses as losses, optim as optim
 from .products import (
     empirical_fisher_operator as empirical_fisher_operator,
     ggn_operator as ggn_operator,

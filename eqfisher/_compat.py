@@ -17,6 +17,8 @@ Literal = jex.core.Literal
 Jaxpr = jex.core.Jaxpr
 ClosedJaxpr = jex.core.ClosedJaxpr
 Primitive = jex.core.Primitive
+# jax >= 0.10 warns when a Jaxpr is built without one; jax 0.9 has no public class.
+_DebugInfo = getattr(jex.core, "DebugInfo", None)
 JaxprEqn = jex.core.JaxprEqn
 
 # Higher-order primitives whose body eqfisher may inline, with the parameter that holds
@@ -76,7 +78,11 @@ def eqn_evaluator(eqn: JaxprEqn) -> Callable[..., list[Any]]:
     The returned function takes the values of `unique_invars(eqn)` in order.
     """
     invars = unique_invars(eqn)
-    jaxpr = Jaxpr([], invars, list(eqn.outvars), [eqn], eqn.effects)
+    if _DebugInfo is None:
+        jaxpr = Jaxpr([], invars, list(eqn.outvars), [eqn], eqn.effects)
+    else:
+        info = _DebugInfo("eqfisher", eqn.primitive.name, None, None)
+        jaxpr = Jaxpr([], invars, list(eqn.outvars), [eqn], eqn.effects, info)
     return jex.core.jaxpr_as_fun(ClosedJaxpr(jaxpr, []))
 
 
@@ -91,8 +97,14 @@ def unique_invars(eqn: JaxprEqn) -> list[Var]:
     return out
 
 
+# `jax.extend.core` exports `DropVar` from jax 0.10 only.
+_DropVar = getattr(jex.core, "DropVar", None)
+if _DropVar is None:
+    from jax._src.core import DropVar as _DropVar
+
+
 def is_drop_var(v: Any) -> bool:
-    return isinstance(v, jex.core.DropVar)
+    return isinstance(v, _DropVar)
 
 
 def define_identity_primitive(

@@ -15,7 +15,7 @@ from .tracing import ProcessedTrace, RegisteredLoss, Split, Traced, split
 
 def stat_dtype(dtype) -> jnp.dtype:
     """Statistics accumulate in at least float32 (bfloat16 models too)."""
-    return jnp.promote_types(dtype, jnp.float32)
+    return jnp.dtype(jnp.float32) if jnp.finfo(dtype).bits < 32 else jnp.dtype(dtype)
 
 
 def input_matrix(record: LayerRecord, x: Array, with_bias: bool) -> Array:

@@ -1,0 +1,35 @@
+"""The `eqfisher` command line."""
+
+import argparse
+import pathlib
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="eqfisher", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser(
+        "demo",
+        help="train an MLP on the digits data with K-FAC and with Adam, side by side",
+    )
+    demo.add_argument("--steps", type=int, default=400, help="training steps per optimiser")
+    demo.add_argument(
+        "--out", type=pathlib.Path, default=pathlib.Path("eqfisher-demo.png"),
+        help="where to write the loss plot (PNG)",
+    )
+    demo.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        if args.steps < 1:
+            parser.error("--steps must be positive")
+        try:
+            from ._demo import run_demo
+        except ImportError as e:  # the demo extras are missing
+            print(f"eqfisher demo needs the demo extras: pip install 'eqfisher[demo]' ({e})")
+            return 1
+        run_demo(args.steps, args.out, args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

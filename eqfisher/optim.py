@@ -1,0 +1,208 @@
+"""K-FAC as optax transformations.
+
+```python
+opt = ef.optim.kfac(1e-2, damping=1e-3)
+state = opt.init(params)
+loss, grads, curv = ef.value_grad_and_curvature(
+    loss_fn, estimator=ef.FisherMC(), structure=ef.KFAC())(model, batch, key=key)
+updates, state = opt.update(grads, state, params, curvature=curv)
+```
+
+The first `update` fills the curvature slots of the state, so a jitted step traces
+twice (steps 1 and 2) and never again.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Float, Int, PyTree
+
+from .blocks import KroneckerFactored
+from .curvature import Curvature
+
+
+ScalarOrSchedule = float | Float[Array, ""] | optax.Schedule
+
+
+class KFACState(NamedTuple):
+    """State of `kfac_preconditioner`.
+
+    - `count`: updates seen.
+    - `curvature_count`: finite curvature estimates folded into the average.
+    - `curvature`: the bias-corrected moving average of the curvature (or None
+      before the first update).
+    - `inverse`: the curvature whose factor eigendecompositions precondition the
+      gradient, refreshed every `inverse_every` updates.
+    - `nonfinite_count`: curvature estimates rejected for holding NaN or inf.
+    """
+
+    count: Int[Array, ""]
+    curvature_count: Int[Array, ""]
+    curvature: Curvature | None
+    inverse: Curvature | None
+    nonfinite_count: Int[Array, ""]
+
+
+def _value(x: ScalarOrSchedule, count: Array) -> Array:
+    return x(count) if callable(x) else jnp.asarray(x)
+
+
+def _check(name: str, value: Any, low: float, high: float | None, closed: bool) -> None:
+    if callable(value) or isinstance(value, jax.core.Tracer):
+        return
+    v = float(value)
+    ok = (v >= low if closed else v > low) and (high is None or v < high)
+    if not ok:
+        bounds = f"[{low}, {high})" if closed else f"> {low}"
+        raise ValueError(
+            f"`eqfisher.optim.kfac_preconditioner(..., {name}=...)`: `{name}` must be "
+            f"{bounds}, got {value!r}."
+        )
+
+
+def _precompute(curv: Curvature) -> Curvature:
+    blocks = {
+        k: (b.precompute() if isinstance(b, KroneckerFactored) else b)
+        for k, b in curv.blocks.items()
+    }
+    return Curvature(blocks, curv.leaf_indices, curv.structure)
+
+
+def _all_finite(tree: PyTree) -> Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def kfac_preconditioner(
+    *,
+    damping: ScalarOrSchedule,
+    decay: float = 0.95,
+    inverse_every: int = 10,
+) -> optax.GradientTransformationExtraArgs:
+    """Preconditions gradients by a damped, averaged curvature: (C + λI)⁻¹ g.
+
+    **Arguments:**
+
+    - `damping`: λ > 0, a float or an optax schedule of the step count.
+    - `decay`: the moving-average weight of old curvature, in [0, 1).
+    - `inverse_every`: refresh the factor eigendecompositions every this many steps
+      (inside jit; no recompilation).
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs`; call
+    `update(grads, state, params, curvature=curv)` with `curv` from
+    `eqfisher.curvature` or `eqfisher.value_grad_and_curvature`. A curvature holding
+    NaN or inf is not averaged in: the last good estimate is kept and
+    `state.nonfinite_count` counts the event.
+    """
+    _check("damping", damping, 0.0, None, False)
+    _check("decay", decay, 0.0, 1.0, True)
+    if not isinstance(inverse_every, int) or inverse_every < 1:
+        raise ValueError(
+            "`eqfisher.optim.kfac_preconditioner(..., inverse_every=...)`: must be a "
+            f"positive int, got {inverse_every!r}."
+        )
+
+    def init(params):
+        del params
+        zero = jnp.zeros((), jnp.int32)
+        return KFACState(zero, zero, None, None, zero)
+
+    def update(updates, state, params=None, *, curvature=None, **extra):
+        del params, extra
+        if not isinstance(curvature, Curvature):
+            raise ValueError(
+                "`kfac_preconditioner.update(grads, state, params, curvature=...)` "
+                "needs `curvature=`, an `eqfisher.Curvature` of this batch."
+            )
+        finite = _all_finite(curvature)
+        count = state.count + 1
+        if state.curvature is None:
+            avg = jax.tree_util.tree_map(
+                lambda x: jnp.where(finite, x, jnp.zeros_like(x)), curvature
+            )
+            inverse = _precompute(avg)
+            n_good = finite.astype(jnp.int32)
+        else:
+            n_good = state.curvature_count + finite.astype(jnp.int32)
+            # Time-varying decay = the bias-corrected average of every factor.
+            t = n_good.astype(jnp.float32)
+            d = decay * (1 - decay ** (t - 1)) / (1 - decay**t)
+            d = jnp.where(n_good > 1, d, 0.0)
+            mixed = state.curvature.ema(curvature, jnp.clip(d, 0.0, 1.0))
+            avg = jax.tree_util.tree_map(
+                lambda new, old: jnp.where(finite, new, old), mixed, state.curvature
+            )
+            refresh = (state.count % inverse_every) == 0
+            inverse = jax.lax.cond(
+                refresh, lambda: _precompute(avg), lambda: state.inverse
+            )
+        lam = _value(damping, state.count)
+        try:
+            direction = inverse.solve(updates, lam)
+        except ValueError as e:
+            raise ValueError(
+                "`kfac_preconditioner.update`: the gradients and the curvature cover "
+                "different parameters. For a curvature built with `where=`, wrap the "
+                "optimiser in `optax.masked(..., eqfisher.filters.optax_mask(model, "
+                "where))`."
+            ) from e
+        # No finite curvature seen yet: no step rather than an unpreconditioned one.
+        direction = jax.tree_util.tree_map(
+            lambda x: jnp.where(n_good > 0, x, jnp.zeros_like(x)), direction
+        )
+        new_state = KFACState(
+            count,
+            n_good,
+            avg,
+            inverse,
+            state.nonfinite_count + (1 - finite.astype(jnp.int32)),
+        )
+        return direction, new_state
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def kfac(
+    learning_rate: ScalarOrSchedule,
+    *,
+    damping: ScalarOrSchedule = 1e-3,
+    momentum: float = 0.9,
+    decay: float = 0.95,
+    inverse_every: int = 10,
+    weight_decay: float = 0.0,
+) -> optax.GradientTransformationExtraArgs:
+    """K-FAC, ready to use: preconditioner, weight decay, momentum, learning rate.
+
+    **Arguments:**
+
+    - `learning_rate`: a float or an optax schedule.
+    - `damping`, `decay`, `inverse_every`: see `kfac_preconditioner`.
+    - `momentum`: heavy-ball momentum on the preconditioned direction (0 for none).
+    - `weight_decay`: added to the preconditioned direction, decoupled as in AdamW.
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs` (it composes with `optax.chain`,
+    `optax.clip_by_global_norm`, `optax.masked`); call
+    `opt.update(grads, state, params, curvature=curv)`.
+    """
+    parts = [kfac_preconditioner(damping=damping, decay=decay, inverse_every=inverse_every)]
+    if weight_decay:
+        parts.append(optax.add_decayed_weights(weight_decay))
+    if momentum:
+        parts.append(optax.trace(decay=momentum))
+    parts.append(optax.scale_by_learning_rate(learning_rate))
+    return optax.chain(*parts)
+
+
+def curvature_ok(state: Any) -> Array:
+    """True when no curvature estimate has been rejected as non-finite."""
+    for s in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, KFACState)):
+        if isinstance(s, KFACState):
+            return s.nonfinite_count == 0
+    raise ValueError("`curvature_ok(state)`: no K-FAC state found in `state`.")
+
