@@ -90,7 +90,7 @@ class FisherMC(AbstractEstimator):
 
         grads = jax.vmap(one)(keys)
         scale = jnp.sqrt(jnp.asarray(1.0 / self.samples, inputs.dtype))
-        return grads * _sqrt_weights(loss) * scale
+        return grads * _sqrt_weights(loss)[None] * scale
 
 
 class EmpiricalFisher(AbstractEstimator):
