@@ -46,6 +46,9 @@ class LayerRecord:
     `in_order` orders the input axes as (locations..., contracted...), `out_order`
     the output axes as (locations..., features...); reshaping after these transposes
     gives the `(locations, d_in)` and `(locations, d_out)` matrices K-FAC uses.
+    For a conv, `in_order` is `()` (its inputs need patches, see `core.params`); for
+    an embedding, `inputs` are the gather's integer indices `(*locations, k)` and
+    `in_order` is `(c,)`: the row ids are `inputs[..., c]`.
     `weight_perm` maps the weight leaf to its `(d_out, d_in)` matrix view.
     """
 
@@ -125,7 +128,7 @@ def _shape(atom) -> tuple[int, ...]:
     return tuple(atom.aval.shape)
 
 
-def _dense(node: Node, views, ranks) -> _Candidate | None:
+def _dense(node: Node, views, shapes) -> _Candidate | None:
     (lc, rc), (lb, rb) = node.params["dimension_numbers"]
     lhs, rhs = node.operand(0), node.operand(1)
     for w_atom, x_atom, wc, xc, wb, w_is_lhs in (
@@ -138,7 +141,7 @@ def _dense(node: Node, views, ranks) -> _Candidate | None:
         w_rank, x_rank = len(_shape(w_atom)), len(_shape(x_atom))
         w_free = [a for a in range(w_rank) if a not in wc]
         x_free = [a for a in range(x_rank) if a not in xc]
-        perm = _full_perm(view, w_free + list(wc), ranks[view.index])
+        perm = _full_perm(view, w_free + list(wc), len(shapes[view.index]))
         if perm is None:
             continue
         n_w, n_x = len(w_free), len(x_free)
@@ -159,16 +162,18 @@ def _dense(node: Node, views, ranks) -> _Candidate | None:
     return None
 
 
-def _conv(node: Node, views, ranks) -> _Candidate | None:
+def _conv(node: Node, views, shapes) -> _Candidate | None:
     lhs, rhs = node.operand(0), node.operand(1)
     if id(rhs) not in views or id(lhs) in views:
         return None
-    if node.params["batch_group_count"] != 1:
+    # Grouped convolutions are block-diagonal in the channels: no one Kronecker
+    # factor pair fits them, so they stay unmatched (diagonal).
+    if node.params["batch_group_count"] != 1 or node.params["feature_group_count"] != 1:
         return None
     dn = node.params["dimension_numbers"]
     view = views[id(rhs)]
     rhs_spec, out_spec = tuple(dn.rhs_spec), tuple(dn.out_spec)
-    perm = _full_perm(view, rhs_spec, ranks[view.index])
+    perm = _full_perm(view, rhs_spec, len(shapes[view.index]))
     if perm is None:
         return None
     rank = len(out_spec)
@@ -194,7 +199,7 @@ def _conv(node: Node, views, ranks) -> _Candidate | None:
     )
 
 
-def _elementwise(node: Node, views, ranks) -> _Candidate | None:
+def _elementwise(node: Node, views, shapes) -> _Candidate | None:
     """`x * scale` (or `x + shift`) with a parameter broadcast along locations."""
     a, b = node.operand(0), node.operand(1)
     out_shape = tuple(node.eqn.outvars[0].aval.shape)
@@ -205,12 +210,19 @@ def _elementwise(node: Node, views, ranks) -> _Candidate | None:
         p_shape = _shape(p_atom)
         if _shape(x_atom) != out_shape or len(p_shape) != len(out_shape):
             continue
-        leaf_size = math.prod(p_shape)
-        if ranks[view.index] == 0 or leaf_size <= 1:
+        leaf_size = math.prod(shapes[view.index])
+        if len(shapes[view.index]) == 0 or leaf_size <= 1:
             continue  # a scalar (temperature, ...) is no layer
-        feat_axes = [ax for ax, n in enumerate(p_shape) if n != 1]
+        # Feature axes are those the leaf varies along; an axis with no leaf origin
+        # was created by broadcasting (GroupNorm broadcasts its weight to the full
+        # shape), so the parameter is constant along it: a location.
+        feat_axes = [
+            ax for ax, n in enumerate(p_shape) if view.labels[ax] is not None and n != 1
+        ]
         leaf_axes = [view.labels[ax] for ax in feat_axes]
-        if None in leaf_axes or leaf_axes != sorted(leaf_axes):
+        if leaf_axes != sorted(leaf_axes):
+            continue
+        if math.prod(p_shape[ax] for ax in feat_axes) != leaf_size:
             continue
         labels, f, loc = [], 0, 0
         for ax in range(len(out_shape)):
@@ -236,31 +248,47 @@ def _elementwise(node: Node, views, ranks) -> _Candidate | None:
     return None
 
 
-def _embedding(node: Node, views, ranks) -> _Candidate | None:
+def _embedding(node: Node, views, shapes) -> _Candidate | None:
+    """A gather of whole rows of a `(vocab, features)` table.
+
+    `table[ids]` gathers with the row index alone; `jax.vmap` of
+    `eqx.nn.Embedding` gathers `(1, features)` slices at `(row, 0)` and squeezes the
+    row axis. Both are accepted: the row must be indexed, every other indexed axis
+    sliced whole (so its start index is 0).
+    """
     table, indices = node.operand(0), node.operand(1)
     if id(table) not in views or id(indices) in views:
         return None
     dn = node.params["dimension_numbers"]
     view = views[id(table)]
     t_shape = _shape(table)
+    start_map = tuple(dn.start_index_map)
+    collapsed = tuple(dn.collapsed_slice_dims)
     if (
         len(t_shape) != 2
-        or tuple(dn.collapsed_slice_dims) != (0,)
-        or tuple(dn.start_index_map) != (0,)
+        or 0 not in start_map
+        or any(
+            d != 0 and t_shape[d] != node.params["slice_sizes"][d] for d in start_map
+        )
+        or collapsed not in ((), (0,))
         or tuple(getattr(dn, "operand_batching_dims", ())) != ()
         or tuple(node.params["slice_sizes"]) != (1, t_shape[1])
-        or _shape(indices)[-1:] != (1,)
+        or _shape(indices)[-1:] != (len(start_map),)
     ):
         return None
     perm = _full_perm(view, (1, 0), 2)
     if perm is None:
         return None
     out_rank = len(node.eqn.outvars[0].aval.shape)
-    (offset,) = dn.offset_dims
-    labels, loc = [], 0
+    feat = dn.offset_dims[-1]
+    row = dn.offset_dims[0] if not collapsed else None  # a size-1 axis
+    labels: list[Any] = []
+    loc = 0
     for ax in range(out_rank):
-        if ax == offset:
+        if ax == feat:
             labels.append(("feat", 0))
+        elif ax == row:
+            labels.append(None)
         else:
             labels.append(("loc", loc))
             loc += 1
@@ -270,7 +298,7 @@ def _embedding(node: Node, views, ranks) -> _Candidate | None:
         weight=view,
         activation=indices,
         core_labels=tuple(labels),
-        in_order=(),
+        in_order=(start_map.index(0),),
         d_in=t_shape[0],
         weight_perm=perm,
     )
@@ -318,13 +346,16 @@ def _bias_fits(bview: _View, b_shape, labels, out_shape) -> bool:
     if len(b_shape) != len(out_shape):
         return False
     feats = []
-    for p, (nb, no) in enumerate(zip(b_shape, out_shape)):
+    for p, (nb, no) in enumerate(zip(b_shape, out_shape, strict=False)):
         is_feat = labels[p] is not None and labels[p][0] == "feat"
-        if is_feat and nb != no:
+        if not is_feat:
+            # Constant along locations: size 1, or broadcast (no leaf origin).
+            if nb != 1 and bview.labels[p] is not None:
+                return False
+            continue
+        if nb != no:
             return False
-        if not is_feat and nb != 1:
-            return False
-        if is_feat and nb != 1:
+        if nb != 1:
             if bview.labels[p] is None:
                 return False
             feats.append((bview.labels[p], labels[p][1]))
@@ -357,7 +388,7 @@ def out_order(labels: Sequence[Any]) -> tuple[int, ...]:
 def layer_name(paths: Sequence[str]) -> str:
     parts = [_split(p) for p in paths]
     common = []
-    for items in zip(*parts):
+    for items in zip(*parts, strict=False):
         if len(set(items)) != 1:
             break
         common.append(items[0])
@@ -389,7 +420,7 @@ class Detection:
 def detect(program: Program, param_paths: Sequence[str]) -> Detection:
     """Finds the layers of `program`, whose first invars are the parameters."""
     num = len(param_paths)
-    ranks = [len(v.aval.shape) for v in program.invars[:num]]
+    shapes = [tuple(v.aval.shape) for v in program.invars[:num]]
     views = _views(program, num)
     consumers = program.consumers()
     reach = _reaching_losses(program)
@@ -400,7 +431,7 @@ def detect(program: Program, param_paths: Sequence[str]) -> Detection:
         match = _MATCHERS.get(node.name)
         if match is None or node.name == "add":
             continue
-        cand = match(node, views, ranks)
+        cand = match(node, views, shapes)
         if cand is None:
             continue
         _attach_bias(cand, views, consumers)
@@ -409,7 +440,7 @@ def detect(program: Program, param_paths: Sequence[str]) -> Detection:
         cands.append(cand)
     for node in program.nodes:  # shift-only layers: an add nobody took as a bias
         if node.name == "add" and id(node) not in biases:
-            cand = _elementwise(node, views, ranks)
+            cand = _elementwise(node, views, shapes)
             if cand is not None:
                 cand.outputs, cand.out_labels = node.outs[0], cand.core_labels
                 cands.append(cand)
@@ -448,20 +479,32 @@ def detect(program: Program, param_paths: Sequence[str]) -> Detection:
                         )
                         dropped.add(id(cand))
 
+    for cand in cands:  # the other leaves of a dropped layer say why
+        if id(cand) not in dropped:
+            continue
+        leaves = [v.index for v in (cand.weight, cand.bias) if v is not None]
+        for index in leaves:
+            others = [i for i in leaves if i in reasons]
+            if index not in reasons and others:
+                reasons[index] = (
+                    f"in a {cand.kind} layer with `{param_paths[others[0]]}`, which "
+                    "is unmatched"
+                )
+
     records = []
     for cand in cands:
         if id(cand) in dropped:
             continue
         if id(cand.outputs) not in reach:
             continue
-        indices = tuple(
-            v.index for v in (cand.weight, cand.bias) if v is not None
-        )
+        indices = tuple(v.index for v in (cand.weight, cand.bias) if v is not None)
         paths = tuple(param_paths[i] for i in indices)
         order = out_order(cand.out_labels)
         out_shape = cand.outputs.aval.shape
         d_out = math.prod(
-            out_shape[i] for i in order if cand.out_labels[i] and cand.out_labels[i][0] == "feat"
+            out_shape[i]
+            for i in order
+            if cand.out_labels[i] and cand.out_labels[i][0] == "feat"
         )
         nodes = (cand.core,) + cand.chain
         for view in (cand.weight, cand.bias):

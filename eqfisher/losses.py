@@ -9,7 +9,6 @@ loss family sits on top of it, the targets, and the per-example weights.
 
 import abc
 
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -83,7 +82,10 @@ class Categorical(AbstractLossFamily):
         # H = diag(p) - p pᵀ = S Sᵀ with S = diag(√p) - p √pᵀ (uses Σ p = 1).
         p = jax.nn.softmax(inputs, axis=-1)
         sqrt_p = jnp.sqrt(p)
-        eye = jnp.eye(p.shape[-1], dtype=p.dtype)
+        # Explicit broadcast: callers may run with `jax_numpy_rank_promotion="raise"`.
+        eye = jnp.broadcast_to(
+            jnp.eye(p.shape[-1], dtype=p.dtype), p.shape + p.shape[-1:]
+        )
         return eye * sqrt_p[..., None, :] - p[..., :, None] * sqrt_p[..., None, :]
 
     def check_targets(self, inputs, targets, caller):
@@ -121,7 +123,10 @@ class Bernoulli(AbstractLossFamily):
     def sqrt_hessian(self, inputs):
         p = jax.nn.sigmoid(inputs)
         sqrt_h = jnp.sqrt(p * (1 - p))
-        return jnp.eye(p.shape[-1], dtype=p.dtype) * sqrt_h[..., None, :]
+        eye = jnp.broadcast_to(
+            jnp.eye(p.shape[-1], dtype=p.dtype), p.shape + p.shape[-1:]
+        )
+        return eye * sqrt_h[..., None, :]
 
     def check_targets(self, inputs, targets, caller):
         if targets.shape != inputs.shape:
@@ -160,8 +165,10 @@ def _tag_jvp(primals, tangents, *, family):
 
 
 def _tag_batch(args, dims, *, family):
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    args = [_compat.move_batch_axis(a, d, size) for a, d in zip(args, dims)]
+    size = next(a.shape[d] for a, d in zip(args, dims, strict=False) if d is not None)
+    args = [
+        _compat.move_batch_axis(a, d, size) for a, d in zip(args, dims, strict=False)
+    ]
     return loss_tag_p.bind(*args, family=family), 0
 
 
@@ -296,5 +303,3 @@ def squared_error(
     return register_loss(
         Gaussian(), predictions, targets, mask, caller="eqfisher.squared_error"
     )
-
-

@@ -1,0 +1,216 @@
+"""Layer detection on the model zoo: exact layers, unmatched leaves, reports, errors."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import pytest
+from zoo import BY_NAME, F64, ZOO, ZooEntry
+
+import eqfisher as ef
+from eqfisher.tracing import split, trace
+
+
+@pytest.mark.parametrize("entry", ZOO, ids=[e.name for e in ZOO])
+def test_zoo_detection(entry: ZooEntry):
+    model, batch = entry.build()
+    report = ef.find_layers(entry.loss_fn, model, batch)
+    assert tuple(report.layers) == tuple(
+        ef.LayerInfo(name, kind, paths) for name, kind, paths in entry.layers
+    )
+    assert report.unmatched == tuple(path for path, _ in entry.unmatched)
+    assert len(report.reasons) == len(entry.unmatched)
+    for reason, (_, expected) in zip(report.reasons, entry.unmatched, strict=False):
+        assert expected in reason
+
+
+@pytest.mark.parametrize("entry", ZOO, ids=[e.name for e in ZOO])
+def test_zoo_report_table(entry: ZooEntry):
+    model, batch = entry.build()
+    table = str(ef.find_layers(entry.loss_fn, model, batch))
+    lines = table.splitlines()
+    assert lines[0].split() == ["layer", "kind", "parameters"]
+    assert set(lines[1]) == {"-"}
+    assert len(lines) == 2 + len(entry.layers) + len(entry.unmatched)
+    for line, (name, kind, paths) in zip(lines[2:], entry.layers, strict=False):
+        assert line.split()[:2] == [name, kind]
+        assert line.endswith(", ".join(paths))
+    for line, (path, _) in zip(
+        lines[2 + len(entry.layers) :], entry.unmatched, strict=False
+    ):
+        assert line.startswith("(unmatched)")
+        assert path in line
+
+
+@pytest.mark.parametrize("entry", ZOO, ids=[e.name for e in ZOO])
+def test_zoo_strict(entry: ZooEntry):
+    model, batch = entry.build()
+    if not entry.unmatched:
+        report = ef.find_layers(entry.loss_fn, model, batch, strict=True)
+        assert report.unmatched == ()
+        return
+    with pytest.raises(ValueError, match="strict=True") as info:
+        ef.find_layers(entry.loss_fn, model, batch, strict=True)
+    for path, reason in entry.unmatched:
+        assert path in str(info.value)
+        assert reason in str(info.value)
+
+
+def test_tied_reason_mentions_shared():
+    entry = BY_NAME["tied"]
+    model, batch = entry.build()
+    report = ef.find_layers(entry.loss_fn, model, batch)
+    assert report.unmatched[0] == ".embed.weight"
+    assert "shared" in report.reasons[0]
+
+
+def test_no_registered_loss():
+    model, (x, y) = BY_NAME["mlp"].build()
+
+    def plain_loss(model, batch):
+        x, y = batch
+        logits = jax.vmap(model)(x)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+
+    with pytest.raises(ValueError, match="`loss_fn`") as info:
+        ef.find_layers(plain_loss, model, (x, y))
+    message = str(info.value)
+    assert "plain_loss" in message
+    for name in (
+        "eqfisher.softmax_cross_entropy",
+        "eqfisher.sigmoid_cross_entropy",
+        "eqfisher.squared_error",
+        "eqfisher.register_loss",
+    ):
+        assert name in message
+
+
+def test_loss_fn_not_callable():
+    # Under the runtime type checker the annotation rejects it first; both errors
+    # name `loss_fn`.
+    with pytest.raises(TypeError, match="loss_fn"):
+        ef.layer_vjp(3)
+
+
+def test_parameter_not_reaching_the_loss():
+    class Extra(eqx.Module):
+        linear: eqx.nn.Linear
+        unused: jax.Array
+
+        def __call__(self, x):
+            return self.linear(x)
+
+    model = Extra(eqx.nn.Linear(3, 2, dtype=F64, key=jr.key(0)), jnp.ones(4, F64))
+    x, y = jnp.ones((2, 3), F64), jnp.zeros((2, 2), F64)
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return ef.squared_error(jax.vmap(model)(x), y)
+
+    report = ef.find_layers(loss_fn, model, (x, y))
+    assert report.layers == (
+        ef.LayerInfo("linear", "dense", (".linear.weight", ".linear.bias")),
+    )
+    assert report.unmatched == (".unused",)
+    assert report.reasons == ("does not affect any registered loss",)
+
+
+def test_weight_used_outside_its_layer():
+    # The weight is also used in a penalty on the model outputs: not a dense layer.
+    class Penalised(eqx.Module):
+        linear: eqx.nn.Linear
+
+        def __call__(self, x):
+            return self.linear(x) + jnp.sum(self.linear.weight**2)
+
+    model = Penalised(eqx.nn.Linear(3, 2, dtype=F64, key=jr.key(0)))
+    x, y = jnp.ones((2, 3), F64), jnp.zeros((2, 2), F64)
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return ef.squared_error(jax.vmap(model)(x), y)
+
+    report = ef.find_layers(loss_fn, model, (x, y))
+    assert report.layers == ()
+    assert report.unmatched == (".linear.weight", ".linear.bias")
+    assert "also used outside its dense layer" in report.reasons[0]
+    assert "`.linear.weight`, which is unmatched" in report.reasons[1]
+
+
+def test_jitted_layer_called_twice_is_shared():
+    # One jitted function applied to two different layers inlines twice, giving two
+    # layers; the same layer called twice is shared.
+    class Twice(eqx.Module):
+        a: eqx.nn.Linear
+        b: eqx.nn.Linear
+
+        def __call__(self, x):
+            apply = eqx.filter_jit(lambda layer, x: jnp.tanh(layer(x)))
+            return self.b(apply(self.a, apply(self.a, x))) + apply(self.b, x)
+
+    k1, k2 = jr.split(jr.key(0))
+    model = Twice(
+        eqx.nn.Linear(3, 3, dtype=F64, key=k1), eqx.nn.Linear(3, 3, dtype=F64, key=k2)
+    )
+    x, y = jnp.ones((2, 3), F64), jnp.zeros((2, 3), F64)
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return ef.squared_error(jax.vmap(model)(x), y)
+
+    report = ef.find_layers(loss_fn, model, (x, y))
+    assert report.layers == ()
+    assert report.unmatched == (".a.weight", ".a.bias", ".b.weight", ".b.bias")
+    assert all("shared" in r for r in report.reasons)
+
+
+def test_grouped_conv_is_unmatched():
+    # A limitation: grouped convolutions are block-diagonal in the channels, so no
+    # single Kronecker factor pair fits them; the weight gets a diagonal block.
+    class Grouped(eqx.Module):
+        conv: eqx.nn.Conv1d
+
+        def __call__(self, x):
+            return self.conv(x).reshape(-1)
+
+    model = Grouped(eqx.nn.Conv1d(4, 2, 3, groups=2, dtype=F64, key=jr.key(0)))
+    x, y = jnp.ones((2, 4, 5), F64), jnp.zeros((2, 6), F64)
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return ef.squared_error(jax.vmap(model)(x), y)
+
+    report = ef.find_layers(loss_fn, model, (x, y))
+    # The bias alone is a shift along the channels.
+    assert report.layers == (ef.LayerInfo("conv", "scale_and_shift", (".conv.bias",)),)
+    assert report.unmatched == (".conv.weight",)
+    assert report.reasons == ("no layer pattern",)
+
+
+def test_records_of_mlp():
+    entry = BY_NAME["mlp"]
+    model, batch = entry.build()
+    records = trace(entry.loss_fn, split(model, batch)).layers
+    dims = [(r.d_in, r.d_out, r.has_bias, r.bias_shape) for r in records]
+    assert dims == [(4, 8, True, (8,)), (8, 8, True, (8,)), (8, 3, True, (3,))]
+    assert [r.param_indices for r in records] == [(0, 1), (2, 3), (4, 5)]
+    # vmapped eqx.nn.Linear is dot_general(W, x) then transpose: the weight is the
+    # left operand and the output gets its features last after the transpose.
+    assert all(r.core.name == "dot_general" for r in records)
+    assert all(r.weight_perm == (0, 1) for r in records)
+
+
+def test_records_of_transformer():
+    entry = BY_NAME["transformer"]
+    model, batch = entry.build()
+    records = trace(entry.loss_fn, split(model, batch)).layers
+    kinds = {r.info.name: (r.kind, r.d_in, r.d_out) for r in records}
+    assert kinds == {
+        "embed": ("embedding", 11, 8),
+        "attn.query_proj": ("dense", 8, 8),
+        "attn.key_proj": ("dense", 8, 8),
+        "attn.value_proj": ("dense", 8, 8),
+        "attn.output_proj": ("dense", 8, 8),
+        "norm": ("scale_and_shift", 8, 8),
+        "head": ("dense", 8, 11),
+    }
