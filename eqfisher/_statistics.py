@@ -57,11 +57,24 @@ def output_matrix(record: LayerRecord, g: Array) -> Array:
 
 
 def kronecker_factors(
-    record: LayerRecord, x: Array, g_stack: Array, with_bias: bool, dtype
+    record: LayerRecord,
+    x: Array,
+    g_stack: Array,
+    with_bias: bool,
+    dtype,
+    *,
+    reduce_examples: int | None = None,
 ) -> tuple[Float[Array, "i i"], Float[Array, "o o"]]:
     """A = mean over locations of ã ãᵀ; G = Σ over stacked vectors and locations of
-    g gᵀ (the output vectors already carry the loss weights)."""
-    gm = output_matrix(record, g_stack)
+    g gᵀ (the output vectors already carry the loss weights).
+
+    With `reduce_examples=N` ("reduce" weight sharing), inputs are first averaged
+    and output cotangents summed over each example's locations; the example axis is
+    the first location axis.
+    """
+    gm = output_matrix(record, g_stack)  # (k, locations, d_out)
+    if reduce_examples is not None:
+        gm = gm.reshape(gm.shape[0], reduce_examples, -1, gm.shape[-1]).sum(2)
     gm = gm.reshape(-1, gm.shape[-1])
     g = (gm.T @ gm).astype(dtype)
     if record.kind == "embedding":
@@ -69,6 +82,8 @@ def kronecker_factors(
         counts = jnp.zeros((record.d_in,), dtype).at[ids].add(1)
         return jnp.diag(counts / ids.shape[0]), g
     a = input_matrix(record, x, False)
+    if reduce_examples is not None:
+        a = a.reshape(reduce_examples, -1, a.shape[-1]).mean(1)
     n = a.shape[0]
     aa = a.T @ a
     if with_bias:
@@ -76,6 +91,13 @@ def kronecker_factors(
         s = jnp.sum(a, axis=0)
         aa = jnp.block([[aa, s[:, None]], [s[None, :], jnp.full((1, 1), n, a.dtype)]])
     return (aa / n).astype(dtype), g
+
+
+def example_axis_size(record: LayerRecord) -> int:
+    """The size of the layer's first location axis (its example axis)."""
+    shape = record.outputs.aval.shape
+    first = record.out_order[0]
+    return shape[first]
 
 
 def layer_outputs_vjp(

@@ -219,7 +219,12 @@ class _Builder(eqx.Module):
         for g in grouping:
             x = inputs[records.index(g.record)] if g.kronecker else None
             gs = point_ct[g.record.outputs] if g.kronecker else None
-            blocks[g.name] = _block(self.structure, g, s.params, x, gs, rows)
+            reduce = (
+                _reduce_examples(self.structure, g, losses[0].inputs.shape[0], self.caller)
+                if g.kronecker
+                else None
+            )
+            blocks[g.name] = _block(self.structure, g, s.params, x, gs, rows, reduce)
             indices.append(tuple(position[i] for i in g.leaves))
         p_leaves = jax.tree_util.tree_leaves(params)
         shapes = [
@@ -240,12 +245,27 @@ def _zeros(c, k: int):
     return jnp.zeros((k,) + c.shape, c.dtype)
 
 
-def _block(structure, g: Group, params, x, g_stack, rows) -> AbstractBlock:
+def _reduce_examples(structure, g: Group, n: int, caller: str) -> int | None:
+    if getattr(structure, "weight_sharing", "expand") != "reduce":
+        return None
+    size = stats.example_axis_size(g.record)
+    if size != n:
+        raise ValueError(
+            f"`{caller}(..., structure={structure!r})`: \"reduce\" needs the layer's "
+            f"first location axis to be the example axis, but layer `{g.name}` has "
+            f"{size} there and the loss {n} examples."
+        )
+    return n
+
+
+def _block(structure, g: Group, params, x, g_stack, rows, reduce) -> AbstractBlock:
     leaves = tuple(params[i] for i in g.leaves)
     dtype = stats.stat_dtype(leaves[0].dtype)
     if g.kronecker:
         with_bias = len(g.leaves) == 2
-        a, gg = stats.kronecker_factors(g.record, x, g_stack, with_bias, dtype)
+        a, gg = stats.kronecker_factors(
+            g.record, x, g_stack, with_bias, dtype, reduce_examples=reduce
+        )
         block = KroneckerFactored(
             a, gg, weight_perm=g.record.weight_perm, structure=leaves
         )

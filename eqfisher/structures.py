@@ -12,6 +12,7 @@ An embedding's K-FAC input factor is diagonal (token frequencies), stored densel
 """
 
 import dataclasses
+from typing import Literal
 
 import equinox as eqx
 
@@ -35,18 +36,52 @@ class Diagonal(AbstractStructure):
     """The exact diagonal of the curvature."""
 
 
+WeightSharing = Literal["expand", "reduce"]
+
+
+def _check_sharing(structure) -> None:
+    if structure.weight_sharing not in ("expand", "reduce"):
+        raise ValueError(
+            f"`eqfisher.{type(structure).__name__}(weight_sharing=...)`: expected "
+            f"'expand' or 'reduce', got {structure.weight_sharing!r}."
+        )
+
+
 class KFAC(AbstractStructure):
     """Kronecker-factored blocks for dense, conv and embedding layers (K-FAC).
 
     A = mean over locations of ã ãᵀ (ã = [a; 1] with a bias), G = Σ over locations of
     g gᵀ, g the output cotangents of the loss-weighted output vectors; for one
-    example A ⊗ G is the exact block. Layers applied at several locations (sequence
-    positions, conv patches) use the "expand" variant of Eschenhagen et al. (2023).
+    example A ⊗ G is the exact block.
+
+    **Arguments:**
+
+    - `weight_sharing`: for layers applied at several locations per example
+      (sequence positions, conv patches), the variant of Eschenhagen et al.
+      (NeurIPS 2023). `"expand"` treats every location as an example; `"reduce"`
+      first averages the inputs and sums the output cotangents over each example's
+      locations. They coincide when each example has one location. The example axis
+      is the first location axis of the layer (the batch axis under `jax.vmap`).
     """
+
+    weight_sharing: WeightSharing = eqx.field(static=True, default="expand")
+
+    def __check_init__(self):
+        _check_sharing(self)
 
 
 class EKFAC(AbstractStructure):
-    """K-FAC eigenbases with the exact diagonal of the curvature in that basis."""
+    """K-FAC eigenbases with the exact diagonal of the curvature in that basis.
+
+    **Arguments:**
+
+    - `weight_sharing`: the K-FAC variant whose eigenbases are used (see `KFAC`).
+    """
+
+    weight_sharing: WeightSharing = eqx.field(static=True, default="expand")
+
+    def __check_init__(self):
+        _check_sharing(self)
 
 
 @dataclasses.dataclass(frozen=True)
