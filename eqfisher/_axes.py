@@ -46,5 +46,14 @@ def follow(node: Node, labels: Labels) -> Labels | None:
         out = [None] * len(out_shape)
         for i, j in zip(src, dst):
             out[j] = labels[i]
+        # Size-1 axes keep their labels, paired in order within the same gap between
+        # non-singleton axes (vmap's reshapes move a batch of one this way).
+        bounds_in = [-1, *src, len(in_shape)]
+        bounds_out = [-1, *dst, len(out_shape)]
+        for k in range(len(bounds_in) - 1):
+            gap_in = range(bounds_in[k] + 1, bounds_in[k + 1])
+            gap_out = range(bounds_out[k] + 1, bounds_out[k + 1])
+            for i, j in zip(gap_in, gap_out):
+                out[j] = labels[i]
         return tuple(out)
     return None

@@ -64,9 +64,10 @@ def kronecker_factors(
     dtype,
     *,
     reduce_examples: int | None = None,
-) -> tuple[Float[Array, "i i"], Float[Array, "o o"]]:
+) -> tuple[Float[Array, "i i"], Float[Array, "o o"], int]:
     """A = mean over locations of ã ãᵀ; G = Σ over stacked vectors and locations of
-    g gᵀ (the output vectors already carry the loss weights).
+    g gᵀ (the output vectors already carry the loss weights); and the number of
+    rows A averages over.
 
     With `reduce_examples=N` ("reduce" weight sharing), inputs are first averaged
     and output cotangents summed over each example's locations; the example axis is
@@ -80,7 +81,7 @@ def kronecker_factors(
     if record.kind == "embedding":
         ids = input_matrix(record, x, False)
         counts = jnp.zeros((record.d_in,), dtype).at[ids].add(1)
-        return jnp.diag(counts / ids.shape[0]), g
+        return jnp.diag(counts / ids.shape[0]), g, ids.shape[0]
     a = input_matrix(record, x, False)
     if reduce_examples is not None:
         a = a.reshape(reduce_examples, -1, a.shape[-1]).mean(1)
@@ -90,7 +91,7 @@ def kronecker_factors(
         # [a; 1] blocks, without copying `a` into a wider matrix.
         s = jnp.sum(a, axis=0)
         aa = jnp.block([[aa, s[:, None]], [s[None, :], jnp.full((1, 1), n, a.dtype)]])
-    return (aa / n).astype(dtype), g
+    return (aa / n).astype(dtype), g, n
 
 
 def example_axis_size(record: LayerRecord) -> int:

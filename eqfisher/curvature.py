@@ -189,7 +189,7 @@ class _Builder(eqx.Module):
             selected = [i for i, f in enumerate(flags) if f]
         grouping = groups(self.structure, processed, selected, self.caller)
         kron = [g for g in grouping if g.kronecker]
-        records = [g.record for g in kron]
+        records = [r for g in kron for r in g.records]
         outputs, vjp, (losses, inputs) = stats.layer_outputs_vjp(
             processed, s, records, full=full
         )
@@ -217,14 +217,16 @@ class _Builder(eqx.Module):
         blocks, indices = {}, []
         position = {p: j for j, p in enumerate(selected)}
         for g in grouping:
-            x = inputs[records.index(g.record)] if g.kronecker else None
-            gs = point_ct[g.record.outputs] if g.kronecker else None
+            uses = [
+                (inputs[records.index(r)], point_ct[r.outputs])
+                for r in (g.records if g.kronecker else ())
+            ]
             reduce = (
                 _reduce_examples(self.structure, g, losses[0].inputs.shape[0], self.caller)
                 if g.kronecker
                 else None
             )
-            blocks[g.name] = _block(self.structure, g, s.params, x, gs, rows, reduce)
+            blocks[g.name] = _block(self.structure, g, s.params, uses, rows, reduce)
             indices.append(tuple(position[i] for i in g.leaves))
         p_leaves = jax.tree_util.tree_leaves(params)
         shapes = [
@@ -258,14 +260,21 @@ def _reduce_examples(structure, g: Group, n: int, caller: str) -> int | None:
     return n
 
 
-def _block(structure, g: Group, params, x, g_stack, rows, reduce) -> AbstractBlock:
+def _block(structure, g: Group, params, uses, rows, reduce) -> AbstractBlock:
     leaves = tuple(params[i] for i in g.leaves)
     dtype = stats.stat_dtype(leaves[0].dtype)
     if g.kronecker:
         with_bias = len(g.leaves) == 2
-        a, gg = stats.kronecker_factors(
-            g.record, x, g_stack, with_bias, dtype, reduce_examples=reduce
-        )
+        # Tied weights: the applications pool their rows, as extra locations.
+        factors = [
+            stats.kronecker_factors(
+                r, x, g_stack, with_bias, dtype, reduce_examples=reduce
+            )
+            for r, (x, g_stack) in zip(g.records, uses)
+        ]
+        total = sum(n for _, _, n in factors)
+        a = sum(a_u * (n / total) for a_u, _, n in factors)
+        gg = sum(g_u for _, g_u, _ in factors)
         block = KroneckerFactored(
             a, gg, weight_perm=g.record.weight_perm, structure=leaves
         )
@@ -370,7 +379,7 @@ def value_grad_and_curvature(
         )
         loss = program_outputs[0]
         if has_aux:
-            out_shape = jax.eval_shape(loss_fn, model, batch)
+            out_shape = eqx.filter_eval_shape(loss_fn, model, batch)
             aux = jax.tree_util.tree_unflatten(
                 jax.tree_util.tree_structure(out_shape[1]), list(program_outputs[1:])
             )

@@ -30,11 +30,14 @@ class LayerInfo(eqx.Module):
     - `kind`: one of `"dense"`, `"conv"`, `"scale_and_shift"`, `"embedding"`.
     - `param_paths`: the `jax.tree_util.keystr` paths of its parameter leaves, in
       model order (weight before bias).
+    - `uses`: how often the layer is applied (more than 1 for tied weights; K-FAC
+      then pools the applications' statistics into one Kronecker block).
     """
 
     name: str = eqx.field(static=True)
     kind: LayerKind = eqx.field(static=True)
     param_paths: tuple[str, ...] = eqx.field(static=True)
+    uses: int = eqx.field(static=True, default=1)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -363,6 +366,23 @@ def _bias_fits(bview: _View, b_shape, labels, out_shape) -> bool:
     return [f for _, f in feats] == sorted(f for _, f in feats)
 
 
+def _tie_compatible(users: list[_Candidate]) -> bool:
+    """Whether several applications of one weight can share a Kronecker block."""
+
+    def key(c: _Candidate):
+        return (
+            c.kind,
+            None if c.weight is None else c.weight.index,
+            None if c.bias is None else c.bias.index,
+            c.weight_perm,
+            c.d_in,
+            sum(1 for lab in c.core_labels if lab and lab[0] == "feat"),
+        )
+
+    first = key(users[0])
+    return first[0] in ("dense", "conv") and all(key(c) == first for c in users)
+
+
 def _reaching_losses(program: Program) -> set[int]:
     reach: set[int] = set()
     for node in reversed(program.nodes):
@@ -452,18 +472,27 @@ def detect(program: Program, param_paths: Sequence[str]) -> Detection:
                 claims.setdefault(view.index, []).append(cand)
     reasons: dict[int, str] = {}
     dropped: set[int] = set()
+    tied: dict[int, list[_Candidate]] = {}  # id(candidate) -> all uses of its layer
     for index, users in claims.items():
         if len(users) > 1:
-            reasons[index] = f"used by {len(users)} layers (shared or tied weights)"
+            if _tie_compatible(users):
+                for c in users:
+                    tied[id(c)] = users
+                continue
+            reasons[index] = (
+                f"used by {len(users)} layers of different layouts (shared or tied "
+                "weights)"
+            )
             dropped.update(id(c) for c in users)
     for cand in cands:
         if id(cand) in dropped:
             continue
         own = set()
-        for view in (cand.weight, cand.bias):
-            if view is not None:
-                own.update(id(n) for n in view.nodes)
-        own.update(id(n) for n in (cand.core,) + cand.chain)
+        for use in tied.get(id(cand), [cand]):
+            for view in (use.weight, use.bias):
+                if view is not None:
+                    own.update(id(n) for n in view.nodes)
+            own.update(id(n) for n in (use.core,) + use.chain)
         for view in (cand.weight, cand.bias):
             if view is None:
                 continue
@@ -547,9 +576,14 @@ def detect(program: Program, param_paths: Sequence[str]) -> Detection:
 
 def _unique_names(records: list[LayerRecord]) -> list[LayerRecord]:
     seen: dict[str, int] = {}
+    owners: dict[str, tuple[int, ...]] = {}
     out = []
     for r in records:
         name = r.info.name
+        if owners.get(name) == r.param_indices:  # another use of a tied layer
+            out.append(r)
+            continue
+        owners.setdefault(name, r.param_indices)
         seen[name] = seen.get(name, 0) + 1
         if seen[name] > 1:
             name = f"{name}#{seen[name]}"

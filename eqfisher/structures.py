@@ -86,19 +86,23 @@ class EKFAC(AbstractStructure):
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """The parameter leaves of one block, and the layer they come from (if any)."""
+    """The parameter leaves of one block, and the layer applications they come from
+    (several for tied weights, none for leaves in no layer)."""
 
     name: str
     leaves: tuple[int, ...]
-    record: LayerRecord | None
+    records: tuple[LayerRecord, ...]
     kronecker: bool
+    ekfac: bool = False
+
+    @property
+    def record(self) -> LayerRecord:
+        return self.records[0]
 
     @property
     def needs_examples(self) -> bool:
         """Whether the block needs exact per-example parameter vectors."""
         return not self.kronecker or self.ekfac
-
-    ekfac: bool = False
 
 
 def groups(
@@ -110,29 +114,30 @@ def groups(
     """The blocks `structure` builds over the `selected` parameter leaves."""
     chosen = set(selected)
     if isinstance(structure, Dense):
-        return [Group("all", tuple(selected), None, False)]
-    out, covered = [], set()
+        return [Group("all", tuple(selected), (), False)]
+    applications: dict[tuple[int, ...], list[LayerRecord]] = {}
     for r in processed.layers:
-        leaves = tuple(i for i in r.param_indices if i in chosen)
+        applications.setdefault(r.param_indices, []).append(r)
+    out, covered = [], set()
+    for indices, records in applications.items():
+        r = records[0]
+        leaves = tuple(i for i in indices if i in chosen)
         if not leaves:
             continue
         covered.update(leaves)
-        weight_in = r.weight_perm is not None and r.param_indices[0] in chosen
+        weight_in = r.weight_perm is not None and indices[0] in chosen
         kron = isinstance(structure, (KFAC, EKFAC)) and r.kind != "scale_and_shift"
-        if kron and weight_in:
-            if r.kind == "conv" and r.core.params["feature_group_count"] != 1:
-                raise ValueError(
-                    f"`{caller}(..., structure={structure!r})`: layer `{r.info.name}` "
-                    "is a grouped convolution, which K-FAC does not support yet; "
-                    "exclude it with `where=` or use structure=eqfisher.Diagonal()."
-                )
-            out.append(
-                Group(r.info.name, leaves, r, True, isinstance(structure, EKFAC))
+        out.append(
+            Group(
+                r.info.name,
+                leaves,
+                tuple(records),
+                kron and weight_in,
+                isinstance(structure, EKFAC),
             )
-        else:
-            out.append(Group(r.info.name, leaves, r, False))
+        )
     for i in selected:
         if i not in covered:
-            out.append(Group(processed.param_paths[i].lstrip("."), (i,), None, False))
+            out.append(Group(processed.param_paths[i].lstrip("."), (i,), (), False))
     out.sort(key=lambda g: min(g.leaves))
     return out

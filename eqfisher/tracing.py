@@ -66,7 +66,10 @@ class LayerReport(eqx.Module):
 
     def __str__(self) -> str:
         rows = [("layer", "kind", "parameters")]
-        rows += [(li.name, li.kind, ", ".join(li.param_paths)) for li in self.layers]
+        rows += [
+            (li.name, li.kind + (f" x{li.uses}" if li.uses > 1 else ""), ", ".join(li.param_paths))
+            for li in self.layers
+        ]
         rows += [("(unmatched)", "diagonal", f"{p}  — {r}") for p, r in zip(self.unmatched, self.reasons)]
         widths = [max(len(r[i]) for r in rows) for i in range(2)]
         lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]}" for r in rows]
@@ -105,8 +108,15 @@ class ProcessedTrace:
         )
 
     def report(self) -> LayerReport:
+        uses: dict[tuple[int, ...], list[LayerRecord]] = {}
+        for r in self.layers:
+            uses.setdefault(r.param_indices, []).append(r)
+        infos = tuple(
+            dataclasses.replace(rs[0].info, uses=len(rs)) if len(rs) > 1 else rs[0].info
+            for rs in uses.values()
+        )
         return LayerReport(
-            layers=tuple(r.info for r in self.layers),
+            layers=infos,
             unmatched=tuple(p for p, _ in self.unmatched),
             reasons=tuple(r for _, r in self.unmatched),
         )

@@ -225,15 +225,6 @@ def test_registered_loss_weights():
 # --- errors --------------------------------------------------------------------------
 
 
-@pytest.fixture
-def unchecked():
-    """Turns jaxtyping's runtime checking off, as for users: the annotations of the
-    loss functions reject these inputs first (with a `TypeError`) when it is on."""
-    jaxtyping.config.update("jaxtyping_disable", True)
-    yield
-    jaxtyping.config.update("jaxtyping_disable", False)
-
-
 def test_checker_rejects_bad_inputs_first():
     with pytest.raises(TypeError):
         ef.softmax_cross_entropy(_int_labels()[:, None], _int_labels())

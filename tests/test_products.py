@@ -1,0 +1,150 @@
+"""Exact matrix-free operators (`ggn_operator`, `hessian_operator`,
+`empirical_fisher_operator`) against dense float64 references."""
+
+import functools as ft
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import lineax as lx
+import numpy as np
+import pytest
+from helpers import dense_hessian, ravelled, tree_allclose
+from test_curvature import (
+    DAMPING,
+    LOSS_FNS,
+    LOSSES,
+    assert_close,
+    batch_for,
+    curv_for,
+    empirical_fisher_of,
+    ggn_of,
+    mean_loss,
+    mlp,
+    random_like,
+    small_batch,
+    small_mlp,
+)
+
+import eqfisher as ef
+
+
+# name: (operator, reference (model, batch, loss) -> dense matrix, symmetric, PSD)
+OPERATORS = {
+    "ggn": (ef.ggn_operator, ggn_of, True, True),
+    "hessian": (ef.hessian_operator, None, True, False),
+    "empirical_fisher": (
+        ef.empirical_fisher_operator,
+        empirical_fisher_of,
+        True,
+        True,
+    ),
+}
+
+
+@eqx.filter_jit
+def hessian_of(model, batch, loss: str):
+    """The Hessian of the mean loss in the ravelled parameters (`jax.hessian`)."""
+    flat, rebuild = ravelled(model)
+    x, y = batch
+    return jax.hessian(lambda f: mean_loss(loss, jax.vmap(rebuild(f))(x), y))(flat)
+
+
+def reference(name: str, model, batch, loss: str) -> np.ndarray:
+    of = OPERATORS[name][1] or hessian_of
+    return np.asarray(of(model, batch, loss))
+
+
+@ft.cache
+def operator_results(loss: str):
+    """For each operator: `(as_matrix, mv(v), tags)`, from one compilation."""
+    model, batch = mlp(), batch_for(loss)
+    v = random_like(model, 3)
+
+    @eqx.filter_jit
+    def run(model, batch, v):
+        out = {}
+        for name, (make, *_) in OPERATORS.items():
+            op = make(LOSS_FNS[loss], model, batch)
+            tags = (
+                lx.is_symmetric(op),
+                lx.is_positive_semidefinite(op),
+                lx.is_negative_semidefinite(op),
+            )
+            out[name] = (op.as_matrix(), op.mv(v), tags)
+        return out
+
+    return run(model, batch, v), v
+
+
+@pytest.mark.parametrize("name", list(OPERATORS))
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_operator_matches_dense_reference(loss, name):
+    (results, v) = operator_results(loss)
+    matrix, mv, _ = results[name]
+    model, batch = mlp(), batch_for(loss)
+    expected = reference(name, model, batch, loss)
+    assert np.abs(expected).max() > 1e-3
+    assert_close(matrix, expected)
+    flat_v, unravel = jax.flatten_util.ravel_pytree(v)
+    assert tree_allclose(mv, unravel(jnp.asarray(expected @ np.asarray(flat_v))))
+
+
+@pytest.mark.parametrize("name", list(OPERATORS))
+def test_operator_tags(name):
+    (results, _) = operator_results("softmax_ce")
+    symmetric, psd, nsd = results[name][2]
+    assert symmetric is OPERATORS[name][2]
+    assert psd is OPERATORS[name][3]
+    assert nsd is False
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_hessian_differs_from_ggn(loss):
+    # A tanh network is not linear: the Hessian has the residual term the GGN drops,
+    # so the two tests above are not checking one matrix twice.
+    (results, _) = operator_results(loss)
+    gap = np.asarray(results["hessian"][0]) - np.asarray(results["ggn"][0])
+    assert np.abs(gap).max() > 1e-3
+    # The Hessian of a tanh network is indefinite, the GGN is not.
+    assert np.linalg.eigvalsh(np.asarray(results["ggn"][0])).min() > -1e-12
+
+
+def test_eager_ggn_operator_and_compiled_hessian():
+    # Outside `jit` (a small model: eager JAX compiles every operation); also checks
+    # `hessian_of` against `helpers.dense_hessian`.
+    loss = "sigmoid_ce"
+    model, batch = small_mlp(), small_batch()
+    x, y = batch
+    loss_fn = LOSS_FNS[loss]
+    ggn = np.asarray(ggn_of(model, batch, loss))
+    hess = dense_hessian(lambda m: mean_loss(loss, jax.vmap(m)(x), y), model)
+    assert_close(hessian_of(model, batch, loss), hess)
+    assert np.abs(hess - ggn).max() > 1e-3
+    v = random_like(model, 1)
+    flat_v, unravel = jax.flatten_util.ravel_pytree(v)
+    expected = unravel(jnp.asarray(ggn @ np.asarray(flat_v)))
+    assert tree_allclose(ef.ggn_operator(loss_fn, model, batch).mv(v), expected)
+
+
+def test_cg_with_damping_on_ggn_operator():
+    loss = "softmax_ce"
+    model, batch = mlp(), batch_for(loss)
+    g = random_like(model, 9)
+
+    @eqx.filter_jit
+    def solve(model, batch, g):
+        op = ef.ggn_operator(LOSS_FNS[loss], model, batch)
+        damped = op + DAMPING * lx.IdentityLinearOperator(op.in_structure())
+        damped = lx.TaggedLinearOperator(damped, lx.positive_semidefinite_tag)
+        sol = lx.linear_solve(damped, g, lx.CG(rtol=1e-12, atol=1e-12, max_steps=500))
+        return sol.value
+
+    x = solve(model, batch, g)
+    ggn = np.asarray(ggn_of(model, batch, loss))
+    flat_g, unravel = jax.flatten_util.ravel_pytree(g)
+    expected = np.linalg.solve(ggn + DAMPING * np.eye(len(ggn)), np.asarray(flat_g))
+    assert tree_allclose(x, unravel(jnp.asarray(expected)), rtol=1e-8, atol=1e-10)
+    # And it agrees with the structured curvature's exact solve.
+    curv = curv_for(loss, ef.GGN(), ef.Dense())
+    assert tree_allclose(curv.solve(g, DAMPING), x, rtol=1e-8, atol=1e-10)
