@@ -12,7 +12,6 @@ import time
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import eqfisher as ef
@@ -57,7 +56,9 @@ def main() -> None:
             fn(k)
             out.append(time.perf_counter() - t0)
     ms, mp = np.median(t_shared) * 1e3, np.median(t_plain) * 1e3
-    print(f"machine: {platform.machine()}, {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    print(
+        f"machine: {platform.machine()}, {jax.devices()[0].device_kind}, jax {jax.__version__}"
+    )
     print(f"eqfisher value_grad_and_curvature (FisherMC(1) + KFAC): {ms:.2f} ms")
     print(f"eqx.filter_value_and_grad:                              {mp:.2f} ms")
     print(f"ratio: {ms / mp:.2f} (target <= 2.0)")

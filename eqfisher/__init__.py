@@ -1,23 +1,17 @@
 """eqfisher: curvature for Equinox models, as typed lineax operators."""
 
 from . import blocks as blocks, filters as filters, losses as losses, optim as optim
-from .products import (
-    empirical_fisher_operator as empirical_fisher_operator,
-    ggn_operator as ggn_operator,
-    hessian_operator as hessian_operator,
-    stop_hessian as stop_hessian,
-)
 from .curvature import (
     Curvature as Curvature,
     curvature as curvature,
     value_grad_and_curvature as value_grad_and_curvature,
 )
 from .estimators import (
+    GGN as GGN,
     AbstractEstimator as AbstractEstimator,
     EmpiricalFisher as EmpiricalFisher,
     FisherExact as FisherExact,
     FisherMC as FisherMC,
-    GGN as GGN,
 )
 from .layers import LayerInfo as LayerInfo
 from .losses import (
@@ -26,23 +20,29 @@ from .losses import (
     softmax_cross_entropy as softmax_cross_entropy,
     squared_error as squared_error,
 )
+from .products import (
+    empirical_fisher_operator as empirical_fisher_operator,
+    ggn_operator as ggn_operator,
+    hessian_operator as hessian_operator,
+    stop_hessian as stop_hessian,
+)
 from .structures import (
+    EKFAC as EKFAC,
+    KFAC as KFAC,
     AbstractStructure as AbstractStructure,
     BlockDiagonal as BlockDiagonal,
     Dense as Dense,
     Diagonal as Diagonal,
-    EKFAC as EKFAC,
-    KFAC as KFAC,
 )
 from .tracing import (
-    find_layers as find_layers,
     LayerData as LayerData,
     LayerReport as LayerReport,
+    RegisteredLoss as RegisteredLoss,
+    find_layers as find_layers,
     layer_vjp as layer_vjp,
     loss_tags_hvp as loss_tags_hvp,
     loss_tags_jvp as loss_tags_jvp,
     loss_tags_vjp as loss_tags_vjp,
-    RegisteredLoss as RegisteredLoss,
 )
 
 

@@ -12,9 +12,13 @@ def main(argv: list[str] | None = None) -> int:
         "demo",
         help="train an MLP on the digits data with K-FAC and with Adam, side by side",
     )
-    demo.add_argument("--steps", type=int, default=400, help="training steps per optimiser")
     demo.add_argument(
-        "--out", type=pathlib.Path, default=pathlib.Path("eqfisher-demo.png"),
+        "--steps", type=int, default=400, help="training steps per optimiser"
+    )
+    demo.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("eqfisher-demo.png"),
         help="where to write the loss plot (PNG)",
     )
     demo.add_argument("--seed", type=int, default=0)
@@ -25,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from ._demo import run_demo
         except ImportError as e:  # the demo extras are missing
-            print(f"eqfisher demo needs the demo extras: pip install 'eqfisher[demo]' ({e})")
+            print(
+                f"eqfisher demo needs the demo extras: pip install 'eqfisher[demo]' ({e})"
+            )
             return 1
         run_demo(args.steps, args.out, args.seed)
     return 0

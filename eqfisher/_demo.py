@@ -29,7 +29,10 @@ def _data(seed: int):
     x, y = load_digits(return_X_y=True)
     x = (x / 16.0).astype(np.float32)
     x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.25, random_state=seed)
-    return (jnp.asarray(x_tr), jnp.asarray(y_tr)), (jnp.asarray(x_te), jnp.asarray(y_te))
+    return (jnp.asarray(x_tr), jnp.asarray(y_tr)), (
+        jnp.asarray(x_te),
+        jnp.asarray(y_te),
+    )
 
 
 def loss_fn(model, batch):
@@ -68,7 +71,9 @@ def _train(name, model, opt, step_fn, train, steps, batch_size, seed, bar) -> Ru
     warm_model, warm_state = model, state
     for step in (1, 2):
         batch = (train[0][:batch_size], train[1][:batch_size])
-        warm_model, warm_state = step_fn(warm_model, warm_state, batch, jnp.asarray(step))
+        warm_model, warm_state = step_fn(
+            warm_model, warm_state, batch, jnp.asarray(step)
+        )
     jax.block_until_ready(warm_model)
     elapsed = 0.0
     for step in range(1, steps + 1):
@@ -113,9 +118,14 @@ def run_demo(steps: int, out: pathlib.Path, seed: int, batch_size: int = 256) ->
         return eqx.apply_updates(model, updates), state
 
     runs = []
-    for name, opt, fn in (("K-FAC (eqfisher)", kfac, kfac_step), ("Adam", adam, adam_step)):
+    for name, opt, fn in (
+        ("K-FAC (eqfisher)", kfac, kfac_step),
+        ("Adam", adam, adam_step),
+    ):
         with tqdm(total=steps, desc=f"{name:>16}", unit="step") as bar:
-            runs.append(_train(name, model, opt, fn, train, steps, batch_size, seed, bar))
+            runs.append(
+                _train(name, model, opt, fn, train, steps, batch_size, seed, bar)
+            )
 
     header = f"{'optimiser':<18}{'steps to loss ' + str(TARGET_LOSS):>20}{'seconds':>10}{'train acc':>11}{'test acc':>10}"
     print("\n" + header + "\n" + "-" * len(header))

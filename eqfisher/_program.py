@@ -146,18 +146,24 @@ def flatten(jaxpr, consts: Sequence[Any], num_params: int) -> Program:
                 any(id(a) in param_like for a in args) or _contains_loss_tag(body[0])
             ):
                 inner, inner_consts = body
-                inner_scope = {id(v): Const(c) for v, c in zip(inner.constvars, inner_consts)}
+                inner_scope = {
+                    id(v): Const(c) for v, c in zip(inner.constvars, inner_consts)
+                }
                 for v, u in zip(inner.invars, eqn.invars):
                     inner_scope[id(v)] = atom(u)
                 results = walk(inner, inner_scope)
                 for v, r in zip(eqn.outvars, results):
                     scope[id(v)] = r
                 continue
-            outs = tuple(None if _compat.is_drop_var(v) else PVar(v.aval) for v in eqn.outvars)
+            outs = tuple(
+                None if _compat.is_drop_var(v) else PVar(v.aval) for v in eqn.outvars
+            )
             for v, o in zip(eqn.outvars, outs):
                 if o is not None:
                     scope[id(v)] = o
-            if eqn.primitive.name in STRUCTURAL and any(id(a) in param_like for a in args):
+            if eqn.primitive.name in STRUCTURAL and any(
+                id(a) in param_like for a in args
+            ):
                 param_like.update(id(o) for o in outs if o is not None)
             nodes.append(Node(eqn, args, outs, _compat.eqn_evaluator(eqn)))
         return [atom(v) for v in jaxpr.outvars]

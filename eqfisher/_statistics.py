@@ -10,7 +10,7 @@ from jaxtyping import Array, Float
 
 from ._program import VarMap
 from .layers import LayerRecord
-from .tracing import ProcessedTrace, RegisteredLoss, Split, Traced, split
+from .tracing import ProcessedTrace, Split, Traced, split
 
 
 def stat_dtype(dtype) -> jnp.dtype:

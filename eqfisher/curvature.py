@@ -222,7 +222,9 @@ class _Builder(eqx.Module):
                 for r in (g.records if g.kronecker else ())
             ]
             reduce = (
-                _reduce_examples(self.structure, g, losses[0].inputs.shape[0], self.caller)
+                _reduce_examples(
+                    self.structure, g, losses[0].inputs.shape[0], self.caller
+                )
                 if g.kronecker
                 else None
             )
@@ -253,7 +255,7 @@ def _reduce_examples(structure, g: Group, n: int, caller: str) -> int | None:
     size = stats.example_axis_size(g.record)
     if size != n:
         raise ValueError(
-            f"`{caller}(..., structure={structure!r})`: \"reduce\" needs the layer's "
+            f'`{caller}(..., structure={structure!r})`: "reduce" needs the layer\'s '
             f"first location axis to be the example axis, but layer `{g.name}` has "
             f"{size} there and the loss {n} examples."
         )

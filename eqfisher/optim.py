@@ -88,7 +88,8 @@ def kfac_preconditioner(
     - `damping`: λ > 0, a float or an optax schedule of the step count.
     - `decay`: the moving-average weight of old curvature, in [0, 1).
     - `inverse_every`: refresh the factor eigendecompositions every this many steps
-      (inside jit; no recompilation).
+      (inside jit; no recompilation), and at every one of the first
+      `inverse_every` steps, while the average is young.
 
     **Returns:**
 
@@ -136,7 +137,9 @@ def kfac_preconditioner(
             avg = jax.tree_util.tree_map(
                 lambda new, old: jnp.where(finite, new, old), mixed, state.curvature
             )
-            refresh = (state.count % inverse_every) == 0
+            # Early estimates change fast: refresh at every step until the average
+            # has seen `inverse_every` batches, then every `inverse_every` steps.
+            refresh = (state.count < inverse_every) | (state.count % inverse_every == 0)
             inverse = jax.lax.cond(
                 refresh, lambda: _precompute(avg), lambda: state.inverse
             )
@@ -190,7 +193,9 @@ def kfac(
     `optax.clip_by_global_norm`, `optax.masked`); call
     `opt.update(grads, state, params, curvature=curv)`.
     """
-    parts = [kfac_preconditioner(damping=damping, decay=decay, inverse_every=inverse_every)]
+    parts = [
+        kfac_preconditioner(damping=damping, decay=decay, inverse_every=inverse_every)
+    ]
     if weight_decay:
         parts.append(optax.add_decayed_weights(weight_decay))
     if momentum:
@@ -201,8 +206,9 @@ def kfac(
 
 def curvature_ok(state: Any) -> Array:
     """True when no curvature estimate has been rejected as non-finite."""
-    for s in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, KFACState)):
+    for s in jax.tree_util.tree_leaves(
+        state, is_leaf=lambda x: isinstance(x, KFACState)
+    ):
         if isinstance(s, KFACState):
             return s.nonfinite_count == 0
     raise ValueError("`curvature_ok(state)`: no K-FAC state found in `state`.")
-

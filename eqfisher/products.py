@@ -14,7 +14,9 @@ from .tracing import Traced, split
 
 def _structure(model: PyTree) -> PyTree:
     params = eqx.filter(model, eqx.is_inexact_array)
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
+    )
 
 
 def _tag_fn(loss_fn: Callable, model: PyTree, batch: PyTree, caller: str):
@@ -30,7 +32,9 @@ def _tag_fn(loss_fn: Callable, model: PyTree, batch: PyTree, caller: str):
     return fn, eqx.filter(model, eqx.is_inexact_array)
 
 
-def _output_product(loss_fn, model, batch, caller, weigh: Callable) -> lx.FunctionLinearOperator:
+def _output_product(
+    loss_fn, model, batch, caller, weigh: Callable
+) -> lx.FunctionLinearOperator:
     fn, params = _tag_fn(loss_fn, model, batch, caller)
     _, jvp_fn, losses = jax.linearize(fn, params, has_aux=True)
     vjp_fn = jax.linear_transpose(jvp_fn, params)

@@ -40,7 +40,9 @@ class RegisteredLoss(eqx.Module):
         return self.mask / jnp.sum(self.mask)
 
     def value(self) -> Float[Array, ""]:
-        return jnp.sum(self.weights() * self.family.per_example(self.inputs, self.targets))
+        return jnp.sum(
+            self.weights() * self.family.per_example(self.inputs, self.targets)
+        )
 
 
 class LayerData(eqx.Module):
@@ -67,10 +69,17 @@ class LayerReport(eqx.Module):
     def __str__(self) -> str:
         rows = [("layer", "kind", "parameters")]
         rows += [
-            (li.name, li.kind + (f" x{li.uses}" if li.uses > 1 else ""), ", ".join(li.param_paths))
+            (
+                li.name,
+                li.kind + (f" x{li.uses}" if li.uses > 1 else ""),
+                ", ".join(li.param_paths),
+            )
             for li in self.layers
         ]
-        rows += [("(unmatched)", "diagonal", f"{p}  — {r}") for p, r in zip(self.unmatched, self.reasons)]
+        rows += [
+            ("(unmatched)", "diagonal", f"{p}  — {r}")
+            for p, r in zip(self.unmatched, self.reasons)
+        ]
         widths = [max(len(r[i]) for r in rows) for i in range(2)]
         lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]}" for r in rows]
         lines.insert(1, "-" * max(len(line) for line in lines))
@@ -190,7 +199,8 @@ def trace(loss_fn: Callable, s: Split, *, caller: str = "eqfisher") -> Processed
         )
     params = jax.tree_util.tree_unflatten(s.params_def, s.params)
     paths = tuple(
-        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+        jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
     )
     found = detect(program, paths)
     return ProcessedTrace(
@@ -278,9 +288,7 @@ class _LayerVjp:
         def forward(p_leaves, perturb):
             ev = processed.run(list(p_leaves) + s.others + s.batch, perturb)
             tag_inputs = tuple(t[0] for t in ev.tags)
-            primals = tuple(
-                (ev.read(r.inputs), ev.read(r.outputs)) for r in layers
-            )
+            primals = tuple((ev.read(r.inputs), ev.read(r.outputs)) for r in layers)
             return tag_inputs, (processed.losses(ev), primals)
 
         zero = VarMap.zeros(points)

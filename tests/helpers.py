@@ -32,9 +32,7 @@ def ravelled(model):
     return flat, lambda f: eqx.combine(unravel(f), static)
 
 
-def dense_ggn(
-    outputs_fn: Callable, loss_of_outputs: Callable, model
-) -> np.ndarray:
+def dense_ggn(outputs_fn: Callable, loss_of_outputs: Callable, model) -> np.ndarray:
     """Jᵀ H J with J = d outputs / d params (jacfwd) and H = d² loss / d outputs².
 
     `outputs_fn(model)` returns the model outputs (any shape), `loss_of_outputs(out)`
@@ -64,9 +62,9 @@ def dense_empirical_fisher(
     to 1/N (the mean).
     """
     flat, rebuild = ravelled(model)
-    grads = jax.vmap(jax.grad(lambda f, ex: per_example_loss(rebuild(f), ex)), (None, 0))(
-        flat, batch
-    )
+    grads = jax.vmap(
+        jax.grad(lambda f, ex: per_example_loss(rebuild(f), ex)), (None, 0)
+    )(flat, batch)
     n = grads.shape[0]
     w = jnp.full((n,), 1.0 / n) if weights is None else jnp.asarray(weights)
     return np.asarray(jnp.einsum("n,ni,nj->ij", w, grads, grads))

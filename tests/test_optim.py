@@ -45,7 +45,9 @@ def test_first_update_is_damped_natural_gradient():
     direction, state = opt.update(grads, opt.init(params), params, curvature=curv)
     expected = curv.solve(grads, 0.1)
     assert jax.tree_util.tree_all(
-        jax.tree_util.tree_map(lambda a, b: jnp.allclose(a, b, atol=1e-12), direction, expected)
+        jax.tree_util.tree_map(
+            lambda a, b: jnp.allclose(a, b, atol=1e-12), direction, expected
+        )
     )
     assert int(state.count) == 1 and int(state.nonfinite_count) == 0
 
@@ -63,9 +65,7 @@ def test_average_is_bias_corrected_mean_of_factors():
         _, state = opt.update(grads, state, params, curvature=curv)
     # Bias-corrected EMA with decay 1/2 over 3 estimates: weights 1/7, 2/7, 4/7.
     name = "layers[0]"
-    expected = sum(
-        w * c.blocks[name].a for w, c in zip((1 / 7, 2 / 7, 4 / 7), curvs)
-    )
+    expected = sum(w * c.blocks[name].a for w, c in zip((1 / 7, 2 / 7, 4 / 7), curvs))
     np.testing.assert_allclose(state.curvature.blocks[name].a, expected, atol=1e-12)
 
 
@@ -91,10 +91,13 @@ def test_nonfinite_curvature_is_rejected_and_counted():
     direction, new_state = opt.update(grads, state, params, curvature=bad)
     assert int(new_state.nonfinite_count) == 1
     for old, new in zip(
-        jax.tree_util.tree_leaves(state.curvature), jax.tree_util.tree_leaves(new_state.curvature)
+        jax.tree_util.tree_leaves(state.curvature),
+        jax.tree_util.tree_leaves(new_state.curvature),
     ):
         np.testing.assert_array_equal(old, new)
-    assert all(bool(jnp.all(jnp.isfinite(d))) for d in jax.tree_util.tree_leaves(direction))
+    assert all(
+        bool(jnp.all(jnp.isfinite(d))) for d in jax.tree_util.tree_leaves(direction)
+    )
     assert not bool(optim.curvature_ok((new_state,)))
 
 

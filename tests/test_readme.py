@@ -10,6 +10,9 @@ def test_readme_quickstart_runs():
     scope: dict = {}
     exec(compile(code, "README.md", "exec"), scope)
     assert jnp.isfinite(scope["loss"])
-    assert [li.kind for li in scope["ef"].find_layers(
-        scope["loss_fn"], scope["model"], (scope["x"], scope["y"])
-    ).layers] == ["dense"] * 3
+    assert [
+        li.kind
+        for li in scope["ef"]
+        .find_layers(scope["loss_fn"], scope["model"], (scope["x"], scope["y"]))
+        .layers
+    ] == ["dense"] * 3

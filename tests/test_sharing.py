@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import dense_ggn
 
 import eqfisher as ef
-from helpers import dense_ggn
 
 
 F64 = jnp.float64
@@ -73,7 +73,9 @@ def test_tied_exact_structures(structure):
     x, y = batch
     ref = dense_ggn(
         lambda m: jax.vmap(m)(x),
-        lambda out: -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(out), y[:, None], 1)),
+        lambda out: (
+            -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(out), y[:, None], 1))
+        ),
         model,
     )
     curv = ef.curvature(ce_loss, model, batch, estimator=ef.GGN(), structure=structure)
@@ -110,7 +112,9 @@ def test_tied_kfac_pools_both_applications():
     vectors = jnp.moveaxis(s, -1, 0) / jnp.sqrt(6.0)  # (k, n, out)
     g1, g2 = jax.vmap(vjp)(vectors)
     ones = jnp.ones((6, 1), F64)
-    rows = jnp.concatenate([jnp.concatenate([a1, ones], 1), jnp.concatenate([a2, ones], 1)])
+    rows = jnp.concatenate(
+        [jnp.concatenate([a1, ones], 1), jnp.concatenate([a2, ones], 1)]
+    )
     a_ref = rows.T @ rows / 12
     g_ref = sum(jnp.einsum("kni,knj->ij", g, g) for g in (g1, g2))
 
@@ -127,7 +131,10 @@ def _seq_factors(model, x, y, sharing):
 
     def net(pert):
         z = jnp.einsum("nti,oi->nto", x, enc.weight) + enc.bias[None, None] + pert
-        out = jnp.einsum("nth,oh->nto", jnp.tanh(z), model.head.weight) + model.head.bias[None, None]
+        out = (
+            jnp.einsum("nth,oh->nto", jnp.tanh(z), model.head.weight)
+            + model.head.bias[None, None]
+        )
         return out.mean(1)
 
     logits, vjp = jax.vjp(net, jnp.zeros((n, t, 5), F64))
@@ -153,7 +160,11 @@ def test_weight_sharing_over_sequences(sharing, t):
     x = jax.random.normal(jax.random.key(1), (5, t, 3), F64)
     y = jax.random.randint(jax.random.key(2), (5,), 0, 2)
     curv = ef.curvature(
-        ce_loss, model, (x, y), estimator=ef.GGN(), structure=ef.KFAC(weight_sharing=sharing)
+        ce_loss,
+        model,
+        (x, y),
+        estimator=ef.GGN(),
+        structure=ef.KFAC(weight_sharing=sharing),
     )
     a_ref, g_ref = _seq_factors(model, x, y, sharing)
     np.testing.assert_allclose(curv.blocks["enc"].a, a_ref, atol=1e-12)
@@ -166,7 +177,11 @@ def test_expand_and_reduce_coincide_without_sharing():
     y = jax.random.randint(jax.random.key(2), (5,), 0, 2)
     mats = [
         ef.curvature(
-            ce_loss, model, (x, y), estimator=ef.GGN(), structure=ef.KFAC(weight_sharing=w)
+            ce_loss,
+            model,
+            (x, y),
+            estimator=ef.GGN(),
+            structure=ef.KFAC(weight_sharing=w),
         ).as_matrix()
         for w in ("expand", "reduce")
     ]
@@ -178,16 +193,22 @@ def test_reduce_ekfac_scales_are_diagonal_in_its_basis():
     x = jax.random.normal(jax.random.key(1), (5, 4, 3), F64)
     y = jax.random.randint(jax.random.key(2), (5,), 0, 2)
     batch = (x, y)
-    dense = ef.curvature(ce_loss, model, batch, estimator=ef.GGN(), structure=ef.Dense())
+    dense = ef.curvature(
+        ce_loss, model, batch, estimator=ef.GGN(), structure=ef.Dense()
+    )
     ek = ef.curvature(
-        ce_loss, model, batch, estimator=ef.GGN(), structure=ef.EKFAC(weight_sharing="reduce")
+        ce_loss,
+        model,
+        batch,
+        estimator=ef.GGN(),
+        structure=ef.EKFAC(weight_sharing="reduce"),
     ).blocks["enc"]
     b = np.asarray(dense.as_matrix())[:20, :20]  # enc weight (5, 3) and bias (5,)
     # Eigenvectors of the block in operand order: apply the EKFAC basis to units.
     basis = []
     for k in range(5):
-        for l in range(4):
-            m = jnp.outer(ek.q_g[:, k], ek.q_a[:, l])
+        for j in range(4):
+            m = jnp.outer(ek.q_g[:, k], ek.q_a[:, j])
             basis.append(np.concatenate([np.ravel(m[:, :3]), np.ravel(m[:, 3])]))
     q = np.stack(basis, axis=1)
     np.testing.assert_allclose(np.diag(q.T @ b @ q), np.ravel(ek.scales), atol=1e-12)

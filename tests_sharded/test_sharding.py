@@ -19,7 +19,9 @@ def loss_fn(model, batch):
 
 @pytest.fixture(scope="module")
 def setup():
-    assert len(jax.devices()) == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    assert len(jax.devices()) == 8, (
+        "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    )
     mesh = Mesh(np.array(jax.devices()), ("batch",))
     model = eqx.nn.MLP(8, 4, 16, 2, activation=jnp.tanh, key=jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (64, 8))
@@ -62,7 +64,9 @@ def test_curvature_matches_one_device(setup, structure):
 def test_value_grad_and_curvature_matches_one_device(setup):
     (model, batch), (s_model, s_batch) = setup
     vgc = eqx.filter_jit(
-        ef.value_grad_and_curvature(loss_fn, estimator=ef.FisherMC(), structure=ef.KFAC())
+        ef.value_grad_and_curvature(
+            loss_fn, estimator=ef.FisherMC(), structure=ef.KFAC()
+        )
     )
     key = jax.random.key(3)
     _close(vgc(model, batch, key=key), vgc(s_model, s_batch, key=key))
