@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int, PyTree
 
+from ._adaptive import AdaptiveState, QuadraticModel, adaptive_steps, quadratic_model
 from .blocks import KroneckerFactored
 from .curvature import Curvature
 
@@ -75,6 +76,58 @@ def _all_finite(tree: PyTree) -> Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
+def _precondition(updates, state: KFACState, curvature, lam, decay, inverse_every):
+    """Folds `curvature` into the average and returns (C + λI)⁻¹ updates."""
+    if not isinstance(curvature, Curvature):
+        raise ValueError(
+            "`kfac_preconditioner.update(grads, state, params, curvature=...)` "
+            "needs `curvature=`, an `eqfisher.Curvature` of this batch."
+        )
+    finite = _all_finite(curvature)
+    count = state.count + 1
+    if state.curvature is None:
+        avg = jax.tree_util.tree_map(
+            lambda x: jnp.where(finite, x, jnp.zeros_like(x)), curvature
+        )
+        inverse = _precompute(avg)
+        n_good = finite.astype(jnp.int32)
+    else:
+        n_good = state.curvature_count + finite.astype(jnp.int32)
+        # Time-varying decay = the bias-corrected average of every factor.
+        t = n_good.astype(jnp.float32)
+        d = decay * (1 - decay ** (t - 1)) / (1 - decay**t)
+        d = jnp.where(n_good > 1, d, 0.0)
+        mixed = state.curvature.ema(curvature, jnp.clip(d, 0.0, 1.0))
+        avg = jax.tree_util.tree_map(
+            lambda new, old: jnp.where(finite, new, old), mixed, state.curvature
+        )
+        # Early estimates change fast: refresh at every step until the average
+        # has seen `inverse_every` batches, then every `inverse_every` steps.
+        refresh = (state.count < inverse_every) | (state.count % inverse_every == 0)
+        inverse = jax.lax.cond(refresh, lambda: _precompute(avg), lambda: state.inverse)
+    try:
+        direction = inverse.solve(updates, lam)
+    except ValueError as e:
+        raise ValueError(
+            "`kfac_preconditioner.update`: the gradients and the curvature cover "
+            "different parameters. For a curvature built with `where=`, wrap the "
+            "optimiser in `optax.masked(..., eqfisher.filters.optax_mask(model, "
+            "where))`."
+        ) from e
+    # No finite curvature seen yet: no step rather than an unpreconditioned one.
+    direction = jax.tree_util.tree_map(
+        lambda x: jnp.where(n_good > 0, x, jnp.zeros_like(x)), direction
+    )
+    new_state = KFACState(
+        count,
+        n_good,
+        avg,
+        inverse,
+        state.nonfinite_count + (1 - finite.astype(jnp.int32)),
+    )
+    return direction, new_state
+
+
 def kfac_preconditioner(
     *,
     damping: ScalarOrSchedule,
@@ -114,57 +167,8 @@ def kfac_preconditioner(
 
     def update(updates, state, params=None, *, curvature=None, **extra):
         del params, extra
-        if not isinstance(curvature, Curvature):
-            raise ValueError(
-                "`kfac_preconditioner.update(grads, state, params, curvature=...)` "
-                "needs `curvature=`, an `eqfisher.Curvature` of this batch."
-            )
-        finite = _all_finite(curvature)
-        count = state.count + 1
-        if state.curvature is None:
-            avg = jax.tree_util.tree_map(
-                lambda x: jnp.where(finite, x, jnp.zeros_like(x)), curvature
-            )
-            inverse = _precompute(avg)
-            n_good = finite.astype(jnp.int32)
-        else:
-            n_good = state.curvature_count + finite.astype(jnp.int32)
-            # Time-varying decay = the bias-corrected average of every factor.
-            t = n_good.astype(jnp.float32)
-            d = decay * (1 - decay ** (t - 1)) / (1 - decay**t)
-            d = jnp.where(n_good > 1, d, 0.0)
-            mixed = state.curvature.ema(curvature, jnp.clip(d, 0.0, 1.0))
-            avg = jax.tree_util.tree_map(
-                lambda new, old: jnp.where(finite, new, old), mixed, state.curvature
-            )
-            # Early estimates change fast: refresh at every step until the average
-            # has seen `inverse_every` batches, then every `inverse_every` steps.
-            refresh = (state.count < inverse_every) | (state.count % inverse_every == 0)
-            inverse = jax.lax.cond(
-                refresh, lambda: _precompute(avg), lambda: state.inverse
-            )
         lam = _value(damping, state.count)
-        try:
-            direction = inverse.solve(updates, lam)
-        except ValueError as e:
-            raise ValueError(
-                "`kfac_preconditioner.update`: the gradients and the curvature cover "
-                "different parameters. For a curvature built with `where=`, wrap the "
-                "optimiser in `optax.masked(..., eqfisher.filters.optax_mask(model, "
-                "where))`."
-            ) from e
-        # No finite curvature seen yet: no step rather than an unpreconditioned one.
-        direction = jax.tree_util.tree_map(
-            lambda x: jnp.where(n_good > 0, x, jnp.zeros_like(x)), direction
-        )
-        new_state = KFACState(
-            count,
-            n_good,
-            avg,
-            inverse,
-            state.nonfinite_count + (1 - finite.astype(jnp.int32)),
-        )
-        return direction, new_state
+        return _precondition(updates, state, curvature, lam, decay, inverse_every)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -204,6 +208,62 @@ def kfac(
     return optax.chain(*parts)
 
 
+class AdaptiveKFACState(NamedTuple):
+    """State of `kfac_adaptive`: the preconditioner's and the step rule's."""
+
+    kfac: KFACState
+    steps: AdaptiveState
+
+
+def kfac_adaptive(
+    *,
+    initial_damping: float = 1.0,
+    decay: float = 0.95,
+    inverse_every: int = 10,
+    adapt_every: int = 5,
+    weight_decay: float = 0.0,
+) -> optax.GradientTransformationExtraArgs:
+    """K-FAC with the learning rate, momentum and damping chosen automatically.
+
+    Each step minimises the exact Gauss-Newton quadratic model over αΔ + μδ₋₁
+    (Δ the preconditioned direction, δ₋₁ the last update), and every `adapt_every`
+    steps adapts the damping by the Levenberg–Marquardt rule on the ratio of the
+    actual to the predicted loss reduction (Martens & Grosse 2015). Meant for large
+    batches: the model is that of one batch.
+
+    Call `update(grads, state, params, curvature=curv,
+    quadratic=eqfisher.optim.quadratic_model(loss_fn, model, batch))`; the result
+    is the full update (no learning rate to apply).
+    """
+    _check("initial_damping", initial_damping, 0.0, None, False)
+    _check("decay", decay, 0.0, 1.0, True)
+    steps = adaptive_steps(initial_damping=initial_damping, adapt_every=adapt_every)
+
+    def init(params):
+        zero = jnp.zeros((), jnp.int32)
+        return AdaptiveKFACState(
+            KFACState(zero, zero, None, None, zero), steps.init(params)
+        )
+
+    def update(updates, state, params=None, *, curvature=None, quadratic=None, **extra):
+        del extra
+        if weight_decay:
+            updates = jax.tree_util.tree_map(
+                lambda g, p: g + weight_decay * p, updates, params
+            )
+        lam = state.steps.damping
+        direction, kstate = _precondition(
+            updates, state.kfac, curvature, lam, decay, inverse_every
+        )
+        delta = jax.tree_util.tree_map(jnp.negative, direction)
+        step, sstate = steps.update(
+            delta, state.steps, params, quadratic=quadratic, grads=updates
+        )
+        return step, AdaptiveKFACState(kstate, sstate)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
 def curvature_ok(state: Any) -> Array:
     """True when no curvature estimate has been rejected as non-finite."""
     for s in jax.tree_util.tree_leaves(
@@ -212,3 +272,15 @@ def curvature_ok(state: Any) -> Array:
         if isinstance(s, KFACState):
             return s.nonfinite_count == 0
     raise ValueError("`curvature_ok(state)`: no K-FAC state found in `state`.")
+
+
+__all__ = [
+    "AdaptiveKFACState",
+    "KFACState",
+    "QuadraticModel",
+    "curvature_ok",
+    "kfac",
+    "kfac_adaptive",
+    "kfac_preconditioner",
+    "quadratic_model",
+]

@@ -167,3 +167,51 @@ def test_update_without_curvature():
     grads = eqx.filter_grad(loss_fn)(model, batch)
     with pytest.raises(ValueError, match="curvature="):
         opt.update(grads, opt.init(params), params)
+
+
+def test_adaptive_kfac_chooses_steps_from_the_quadratic_model():
+    model, batch = _problem()
+    opt = optim.kfac_adaptive(initial_damping=1.0, adapt_every=2)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    state = opt.init(params)
+
+    @eqx.filter_jit
+    def step(model, state):
+        _, grads, curv = VGC(model, batch)
+        q = optim.quadratic_model(loss_fn, model, batch)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        updates, state = opt.update(grads, state, params, curvature=curv, quadratic=q)
+        return eqx.apply_updates(model, updates), state, grads, curv
+
+    first = float(loss_fn(model, batch))
+    # The first step is α·Δ with α minimising the damped quadratic model along Δ.
+    new, state1, grads, curv = step(model, state)
+    delta = jax.tree_util.tree_map(jnp.negative, curv.solve(grads, 1.0))
+    q = optim.quadratic_model(loss_fn, model, batch)
+    gd = sum(
+        jnp.sum(g * d) for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(delta))
+    )
+    dd = sum(jnp.sum(d * d) for d in jax.tree.leaves(delta))
+    alpha = -gd / (q.gram([delta])[0, 0] + 1.0 * dd)
+    moved = jax.tree_util.tree_map(
+        lambda a, b: a - b,
+        eqx.filter(new, eqx.is_inexact_array),
+        eqx.filter(model, eqx.is_inexact_array),
+    )
+    for m, d in zip(jax.tree.leaves(moved), jax.tree.leaves(delta)):
+        np.testing.assert_allclose(m, alpha * d, rtol=1e-8, atol=1e-12)
+    model, state = new, state1
+    for _ in range(20):
+        model, state, _, _ = step(model, state)
+    assert float(loss_fn(model, batch)) < 0.5 * first
+    assert float(state.steps.damping) != 1.0  # Levenberg–Marquardt moved it
+    assert bool(jnp.isfinite(state.steps.rho))
+
+
+def test_adaptive_kfac_needs_the_quadratic_model():
+    model, batch = _problem()
+    opt = optim.kfac_adaptive()
+    params = eqx.filter(model, eqx.is_inexact_array)
+    _, grads, curv = VGC(model, batch)
+    with pytest.raises(ValueError, match="quadratic"):
+        opt.update(grads, opt.init(params), params, curvature=curv)

@@ -1,0 +1,149 @@
+"""Adaptive K-FAC (Martens & Grosse 2015, §6–7): learning rate and momentum from the
+exact quadratic model, and Levenberg–Marquardt damping from its reduction ratio.
+
+Meant for large batches: the quadratic model is that of one batch, so with small
+batches its noise makes the chosen step sizes noisy too.
+"""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Float, Int, PyTree
+
+from ._statistics import stat_dtype
+from .products import _tag_fn
+
+
+class QuadraticModel:
+    """The exact Gauss-Newton quadratic model of `loss_fn` on one batch.
+
+    Build it inside the training step with `quadratic_model(loss_fn, model, batch)`
+    and pass it to the adaptive K-FAC update as `quadratic=`.
+    """
+
+    def __init__(self, loss_fn: Callable, model: PyTree, batch: PyTree):
+        self._fn, self.params = _tag_fn(
+            loss_fn, model, batch, "eqfisher.optim.quadratic_model"
+        )
+        _, self._static = eqx.partition(model, eqx.is_inexact_array)
+        self._loss_fn, self._batch = loss_fn, batch
+
+    def gram(self, vectors: list[PyTree]) -> Float[Array, "k k"]:
+        """vᵢᵀ G vⱼ for the exact GGN G, from one JVP per vector (no VJP)."""
+        outs = []
+        for v in vectors:
+            _, jv, losses = jax.jvp(self._fn, (self.params,), (v,), has_aux=True)
+            outs.append(jv)
+        k = len(vectors)
+        rows = []
+        for i in range(k):
+            row = []
+            for j in range(k):
+                total = 0.0
+                for loss, a, b in zip(losses, outs[i], outs[j]):
+                    hb = loss.family.hessian_mv(loss.inputs, b)
+                    total = total + jnp.sum(loss.weights()[..., None] * a * hb)
+                row.append(total)
+            rows.append(jnp.stack(row))
+        return jnp.stack(rows)
+
+    def loss(self, params: PyTree) -> Float[Array, ""]:
+        """`loss_fn` on the batch, at other parameters."""
+        return self._loss_fn(eqx.combine(params, self._static), self._batch)
+
+
+def quadratic_model(loss_fn: Callable, model: PyTree, batch: PyTree) -> QuadraticModel:
+    """The exact quadratic model of `loss_fn(model, batch)` for adaptive K-FAC."""
+    return QuadraticModel(loss_fn, model, batch)
+
+
+class AdaptiveState(NamedTuple):
+    """State added by `adaptive_steps`: the damping, the last update, counters."""
+
+    damping: Float[Array, ""]
+    previous: PyTree
+    count: Int[Array, ""]
+    rho: Float[Array, ""]
+
+
+def _dot(u: PyTree, v: PyTree) -> Array:
+    return sum(jnp.sum(a * b) for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(v)))
+
+
+def adaptive_steps(
+    *,
+    initial_damping: float,
+    adapt_every: int = 5,
+    min_damping: float = 1e-8,
+    max_damping: float = 1e3,
+) -> optax.GradientTransformationExtraArgs:
+    """Turns a preconditioned direction Δ into the update αΔ + μδ₋₁ that minimises
+    the exact quadratic model, and adapts the damping by its reduction ratio.
+
+    Expects the incoming updates to be −(C + λI)⁻¹g for the damping λ it keeps in its
+    state (`kfac(..., adaptive=True)` wires this up) and the extra arguments
+    `quadratic=` (a `QuadraticModel`) and `grads=`.
+    """
+    omega = (19.0 / 20.0) ** adapt_every
+
+    def init(params):
+        leaves = jax.tree.leaves(params)
+        dtype = stat_dtype(leaves[0].dtype) if leaves else jnp.float32
+        return AdaptiveState(
+            jnp.asarray(initial_damping, dtype),
+            jax.tree.map(jnp.zeros_like, params),
+            jnp.zeros((), jnp.int32),
+            jnp.asarray(jnp.nan, dtype),
+        )
+
+    def update(updates, state, params=None, *, quadratic=None, grads=None, **extra):
+        del extra
+        if not isinstance(quadratic, QuadraticModel) or grads is None:
+            raise ValueError(
+                "adaptive K-FAC needs `quadratic=eqfisher.optim.quadratic_model(loss_fn,"
+                " model, batch)` in `update(...)`."
+            )
+        delta, prev = updates, state.previous
+        lam = state.damping
+        gram = quadratic.gram([delta, prev])
+        gram = gram + lam * jnp.array(
+            [
+                [_dot(delta, delta), _dot(delta, prev)],
+                [_dot(prev, delta), _dot(prev, prev)],
+            ]
+        ).astype(gram.dtype)
+        b = jnp.stack([_dot(grads, delta), _dot(grads, prev)]).astype(gram.dtype)
+        first = state.count == 0
+        # First step: no previous update, so only α (μ = 0).
+        alpha_only = -b[0] / gram[0, 0]
+        coeffs = jnp.linalg.solve(
+            jnp.where(first, jnp.eye(2, dtype=gram.dtype), gram), -b
+        )
+        alpha = jnp.where(first, alpha_only, coeffs[0])
+        mu = jnp.where(first, 0.0, coeffs[1])
+        step = jax.tree.map(lambda d, p: alpha * d + mu * p, delta, prev)
+        x = jnp.stack([alpha, mu])
+        reduction = 0.5 * jnp.dot(b, x)  # M(δ) − M(0) at the minimiser: −½ bᵀA⁻¹b
+
+        def adapt(lam):
+            new_params = jax.tree.map(lambda p, s: p + s, params, step)
+            rho = (quadratic.loss(new_params) - quadratic.loss(params)) / reduction
+            lam = jnp.where(rho > 0.75, lam * omega, lam)
+            lam = jnp.where(rho < 0.25, lam / omega, lam)
+            lam = jnp.clip(lam, min_damping, max_damping)
+            dtype = state.damping.dtype
+            return jnp.array(lam, dtype=dtype), jnp.array(rho, dtype=dtype)
+
+        lam, rho = jax.lax.cond(
+            (state.count + 1) % adapt_every == 0,
+            adapt,
+            lambda lam: (jnp.array(lam, dtype=lam.dtype), state.rho),
+            lam,
+        )
+        return step, AdaptiveState(lam, step, state.count + 1, rho)
+
+    return optax.GradientTransformationExtraArgs(init, update)
