@@ -76,8 +76,11 @@ class Curvature(lx.AbstractLinearOperator):
     def as_matrix(self) -> Float[Array, "size size"]:
         sizes = [math.prod(s.shape) for s in jax.tree_util.tree_leaves(self.structure)]
         offsets = np.cumsum([0] + sizes)
-        dtype = jnp.result_type(
-            *[s.dtype for s in jax.tree_util.tree_leaves(self.structure)]
+        # The statistics' dtype: float32 for a bfloat16 model.
+        dtype = stats.stat_dtype(
+            jnp.result_type(
+                *[s.dtype for s in jax.tree_util.tree_leaves(self.structure)]
+            )
         )
         out = jnp.zeros((offsets[-1], offsets[-1]), dtype)
         for block, idx in zip(self.blocks.values(), self.leaf_indices):

@@ -47,7 +47,11 @@ class Diagonal(AbstractBlock):
 
     def mv(self, vector: Operand) -> Operand:
         check_operand(vector, self.in_structure(), "Diagonal.mv")
-        return tuple(d * x for d, x in zip(self.diag, vector, strict=True))
+        # Computed in the diagonal's dtype, returned in the operand's (bfloat16 models).
+        return tuple(
+            (d * x.astype(d.dtype)).astype(x.dtype)
+            for d, x in zip(self.diag, vector, strict=True)
+        )
 
     def as_matrix(self) -> Float[Array, "size size"]:
         return jnp.diag(ravel(self.diag))
@@ -58,7 +62,10 @@ class Diagonal(AbstractBlock):
     def solve(self, vector: Operand, damping: ScalarLike) -> Operand:
         check_operand(vector, self.in_structure(), "Diagonal.solve")
         damping = check_damping(damping, self.diag[0].dtype)
-        return tuple(x / (d + damping) for d, x in zip(self.diag, vector, strict=True))
+        return tuple(
+            (x.astype(d.dtype) / (d + damping)).astype(x.dtype)
+            for d, x in zip(self.diag, vector, strict=True)
+        )
 
     def diagonal(self) -> Operand:
         return self.diag

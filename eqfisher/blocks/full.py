@@ -54,15 +54,21 @@ class Full(AbstractBlock):
                 f"`Full(matrix, structure)`: `matrix` has shape {self.matrix.shape}, "
                 f"but `structure` {self.structure} has {size} coordinates."
             )
-        if any(s.dtype != self.matrix.dtype for s in self.structure):
-            raise ValueError(
-                f"`Full(matrix, structure)`: the dtypes of `structure` must all be "
-                f"the dtype of `matrix`, {self.matrix.dtype}."
-            )
+
+    def _flat(self, vector: Operand) -> Array:
+        return ravel(tuple(x.astype(self.matrix.dtype) for x in vector))
+
+    def _out(self, flat: Array) -> Operand:
+        # Products are computed in the matrix's dtype (at least float32 for bfloat16
+        # models) and returned in the operand's.
+        return tuple(
+            x.astype(s.dtype)
+            for x, s in zip(unravel(flat, self.structure), self.structure)
+        )
 
     def mv(self, vector: Operand) -> Operand:
         check_operand(vector, self.structure, "Full.mv")
-        return unravel(self.matrix @ ravel(vector), self.structure)
+        return self._out(self.matrix @ self._flat(vector))
 
     def as_matrix(self) -> Float[Array, "size size"]:
         return self.matrix
@@ -78,11 +84,10 @@ class Full(AbstractBlock):
     def solve(self, vector: Operand, damping: ScalarLike) -> Operand:
         check_operand(vector, self.structure, "Full.solve")
         factor = self._cholesky(damping)
-        out = jsl.cho_solve((factor, True), ravel(vector))
-        return unravel(out, self.structure)
+        return self._out(jsl.cho_solve((factor, True), self._flat(vector)))
 
     def diagonal(self) -> Operand:
-        return unravel(jnp.diagonal(self.matrix), self.structure)
+        return self._out(jnp.diagonal(self.matrix))
 
     def logdet(self, damping: ScalarLike) -> Float[Array, ""]:
         return 2 * jnp.sum(jnp.log(jnp.diagonal(self._cholesky(damping))))
