@@ -146,7 +146,10 @@ def per_example_vectors(
             f"`{traced.caller}`: this structure needs per-example Jacobians, so every "
             "array in `batch` and every registered loss must share a leading example "
             f"axis; got batch leading sizes {sorted(map(str, sizes))} and loss "
-            f"leading sizes {[v.shape[1] for v in vectors]}."
+            f"leading sizes {[v.shape[1] for v in vectors]}. Models whose examples "
+            "interact (BatchNorm in batch mode) have no per-example Jacobians; use "
+            "structure=eqfisher.KFAC() on layers only (`where=`), or the exact "
+            "matrix-free eqfisher.ggn_operator."
         )
     one = jax.tree_util.tree_map(
         lambda x: x[:1] if hasattr(x, "shape") and x.ndim else x, batch

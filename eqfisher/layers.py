@@ -568,10 +568,32 @@ def detect(program: Program, param_paths: Sequence[str]) -> Detection:
             reason = reasons[i]
         elif id(program.invars[i]) not in reach:
             reason = "does not affect any registered loss"
+        elif control := _control_flow_user(program, views, consumers, i):
+            reason = (
+                f"used inside `{control}`; layers inside control flow are not "
+                "detected yet"
+            )
         else:
             reason = "no layer pattern"
         unmatched.append((path, reason))
     return Detection(tuple(records), tuple(unmatched))
+
+
+_CONTROL_FLOW = frozenset({"scan", "cond", "while"})
+
+
+def _control_flow_user(program: Program, views, consumers, index: int) -> str | None:
+    """The control-flow primitive a parameter (or a view of it) feeds, if any."""
+    srcs = [program.invars[index]] + [
+        n.outs[0]
+        for n in program.nodes
+        if n.outs and id(n.outs[0]) in views and views[id(n.outs[0])].index == index
+    ]
+    for src in srcs:
+        for user in consumers.get(id(src), []):
+            if user.name in _CONTROL_FLOW:
+                return user.name
+    return None
 
 
 def _unique_names(records: list[LayerRecord]) -> list[LayerRecord]:

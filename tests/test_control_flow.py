@@ -1,0 +1,136 @@
+"""Models with lax.scan over stacked layers, lax.cond and BatchNorm: handled exactly
+where eqfisher can, refused with a clear message where it cannot; never a crash."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import dense_ggn
+
+import eqfisher as ef
+
+
+F64 = jnp.float64
+
+
+class Scanned(eqx.Module):
+    layers: eqx.nn.Linear  # stacked: weight (3, 4, 4), bias (3, 4)
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        make = lambda k: eqx.nn.Linear(4, 4, dtype=F64, key=k)  # noqa: E731
+        self.layers = eqx.filter_vmap(make)(jax.random.split(k1, 3))
+        self.head = eqx.nn.Linear(4, 2, dtype=F64, key=k2)
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.layers, eqx.is_array)
+
+        def body(h, p):
+            return jnp.tanh(eqx.combine(p, static)(h)), None
+
+        return self.head(jax.lax.scan(body, x, params)[0])
+
+
+class Branchy(eqx.Module):
+    a: eqx.nn.Linear
+    b: eqx.nn.Linear
+
+    def __call__(self, x, flag):
+        return jax.lax.cond(flag, lambda z: self.a(z), lambda z: self.b(z), x)
+
+
+def ce(model, batch):
+    x, y = batch
+    return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
+
+
+def _data(n_in, n_classes):
+    x = jax.random.normal(jax.random.key(1), (6, n_in), F64)
+    y = jax.random.randint(jax.random.key(2), (6,), 0, n_classes)
+    return x, y
+
+
+def _ggn(model, batch):
+    x, y = batch
+
+    def loss(out):
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(out), y[:, None], 1))
+
+    return dense_ggn(lambda m: jax.vmap(m)(x), loss, model)
+
+
+def test_scan_layers_are_reported_with_the_reason():
+    model = Scanned(jax.random.key(0))
+    report = ef.find_layers(ce, model, _data(4, 2))
+    assert [li.name for li in report.layers] == ["head"]
+    assert report.unmatched == (".layers.weight", ".layers.bias")
+    assert all("`scan`" in r for r in report.reasons)
+
+
+@pytest.mark.parametrize("structure", [ef.Dense(), ef.Diagonal(), ef.KFAC()])
+def test_scan_curvature_is_exact_where_promised(structure):
+    model = Scanned(jax.random.key(0))
+    batch = _data(4, 2)
+    ref = _ggn(model, batch)
+    curv = ef.curvature(ce, model, batch, estimator=ef.GGN(), structure=structure)
+    got = np.asarray(curv.as_matrix())
+    if isinstance(structure, ef.Dense):
+        np.testing.assert_allclose(got, ref, atol=1e-12)
+    else:  # the stacked leaves get exact diagonal blocks
+        n = 3 * 4 * 4 + 3 * 4
+        np.testing.assert_allclose(np.diag(got)[:n], np.diag(ref)[:n], atol=1e-12)
+        np.testing.assert_allclose(got[:n, :n], np.diag(np.diag(ref)[:n]), atol=1e-12)
+
+
+def test_cond_layers_are_reported_with_the_reason():
+    key = jax.random.key(0)
+    model = Branchy(
+        eqx.nn.Linear(4, 3, dtype=F64, key=key), eqx.nn.Linear(4, 3, dtype=F64, key=key)
+    )
+    x, y = _data(4, 3)
+
+    def loss(model, batch):
+        x, y = batch
+        out = jax.vmap(lambda z: model(z, True))(x)
+        return ef.softmax_cross_entropy(out, y)
+
+    report = ef.find_layers(loss, model, (x, y))
+    assert report.layers == ()
+    assert all("`cond`" in r for r in report.reasons)
+    curv = ef.curvature(loss, model, (x, y), estimator=ef.GGN(), structure=ef.Dense())
+    ref = dense_ggn(
+        lambda m: jax.vmap(lambda z: m(z, True))(x),
+        lambda o: -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(o), y[:, None], 1)),
+        model,
+    )
+    np.testing.assert_allclose(curv.as_matrix(), ref, atol=1e-12)
+
+
+def test_batchnorm_is_refused_with_a_message():
+    class Net(eqx.Module):
+        lin: eqx.nn.Linear
+        bn: eqx.nn.BatchNorm
+
+        def __init__(self, key):
+            self.lin = eqx.nn.Linear(4, 3, dtype=F64, key=key)
+            self.bn = eqx.nn.BatchNorm(3, "batch", mode="batch", dtype=F64)
+
+        def __call__(self, x, state):
+            return self.bn(self.lin(x), state)
+
+    model, state = eqx.nn.make_with_state(Net)(jax.random.key(0))
+    x, y = _data(4, 3)
+
+    def loss(model, batch):
+        x, y, state = batch
+        out, _ = jax.vmap(
+            model, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+        )(x, state)
+        return ef.softmax_cross_entropy(out, y)
+
+    with pytest.raises(ValueError, match="BatchNorm"):
+        ef.curvature(
+            loss, model, (x, y, state), estimator=ef.GGN(), structure=ef.Diagonal()
+        )
