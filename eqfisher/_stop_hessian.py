@@ -83,7 +83,7 @@ def stop_hessian(fn: Callable[..., PyTree]) -> Callable[..., PyTree]:
         ```python
         f = lambda x: jnp.sin(jnp.cos(x))
         h = lambda x: 0.5 * stop_hessian(f)(x) ** 2
-        jax.hessian(h)(1.0)  # f'(1.0) ** 2, without the f(1.0) f''(1.0) term
+        jax.hessian(h)(jnp.asarray(1.0))  # pass arrays, not Python floats; f'(1)², without the f(1) f''(1) term
         ```
     """
     if not callable(fn):

@@ -3,6 +3,7 @@ functions that build it (`curvature`, `value_grad_and_curvature`)."""
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -45,25 +46,28 @@ class Curvature(lx.AbstractLinearOperator):
     leaf_indices: tuple[tuple[int, ...], ...] = eqx.field(static=True)
     structure: PyTree = eqx.field(static=True)
 
-    def _leaves(self, vector: PyTree, method: str) -> list[Array]:
+    def _leaves(self, vector: PyTree, method: str) -> tuple[list[Array], Any]:
+        # Leaves are matched by position and shape rather than by tree structure, so
+        # that a vector whose unselected leaves are `None` or `optax.MaskedNode()`
+        # (inside `optax.masked`) is accepted alike.
         leaves, treedef = jax.tree_util.tree_flatten(vector)
-        if treedef != jax.tree_util.tree_structure(self.structure):
+        shapes = [s.shape for s in jax.tree_util.tree_leaves(self.structure)]
+        if [jnp.shape(x) for x in leaves] != shapes:
             raise ValueError(
                 f"`Curvature.{method}(vector)`: `vector` must have the structure of "
                 "the parameters the curvature covers (eqx.filter(model, "
-                "eqx.is_inexact_array), restricted by `where`)."
+                "eqx.is_inexact_array), restricted by `where`); its leaves have shapes "
+                f"{[jnp.shape(x) for x in leaves]}, expected {shapes}."
             )
-        return leaves
+        return leaves, treedef
 
     def _map(self, vector: PyTree, fn: Callable, method: str) -> PyTree:
-        leaves = self._leaves(vector, method)
+        leaves, treedef = self._leaves(vector, method)
         out = list(leaves)
         for block, idx in zip(self.blocks.values(), self.leaf_indices):
             for i, x in zip(idx, fn(block, tuple(leaves[i] for i in idx))):
                 out[i] = x
-        return jax.tree_util.tree_unflatten(
-            jax.tree_util.tree_structure(self.structure), out
-        )
+        return jax.tree_util.tree_unflatten(treedef, out)
 
     def mv(self, vector: PyTree) -> PyTree:
         return self._map(vector, lambda b, v: b.mv(v), "mv")

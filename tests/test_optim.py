@@ -215,3 +215,26 @@ def test_adaptive_kfac_needs_the_quadratic_model():
     _, grads, curv = VGC(model, batch)
     with pytest.raises(ValueError, match="quadratic"):
         opt.update(grads, opt.init(params), params, curvature=curv)
+
+
+def test_kfac_on_a_where_subset_inside_optax_masked():
+    model, batch = _problem()
+    where = ef.filters.by_path("layers[1].*")
+    mask = ef.filters.optax_mask(model, where)
+    vgc = ef.value_grad_and_curvature(
+        loss_fn, estimator=ef.GGN(), structure=ef.KFAC(), where=where
+    )
+    opt = optax.chain(
+        optax.masked(optim.kfac(0.05), mask),
+        optax.masked(optax.sgd(0.1), jax.tree_util.tree_map(lambda m: not m, mask)),
+    )
+    params = eqx.filter(model, eqx.is_inexact_array)
+    state = opt.init(params)
+    _, grads, curv = vgc(model, batch)
+    updates, state = opt.update(grads, state, params, curvature=curv)
+    sgd = -0.1 * eqx.filter_grad(loss_fn)(model, batch).layers[0].weight
+    np.testing.assert_allclose(updates.layers[0].weight, sgd, atol=1e-12)
+    direction = curv.solve(eqx.filter(grads, mask), 1e-3)
+    np.testing.assert_allclose(
+        updates.layers[1].weight, -0.05 * direction.layers[1].weight, atol=1e-12
+    )

@@ -15,7 +15,7 @@ Structure = tuple[jax.ShapeDtypeStruct, ...]
 class AbstractBlock(lx.AbstractLinearOperator):
     """The curvature matrix B (symmetric positive semidefinite) of one layer.
 
-    A block is a [`lineax.AbstractLinearOperator`][] whose operand is a tuple of
+    A block is a `lineax.AbstractLinearOperator` whose operand is a tuple of
     arrays: the layer's parameter leaves in model order, e.g. `(weight, bias)`.
     Dense matrices (`as_matrix`) order coordinates as
     `jax.flatten_util.ravel_pytree` of that tuple: leaf 0 ravelled row-major, then

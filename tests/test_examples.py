@@ -1,0 +1,141 @@
+"""The worked examples in `examples/`, each run in its smoke mode with a real check.
+
+The examples are scripts, not a package: each is imported from its file. They need
+scikit-learn (the digits data) except `vmc_harmonic` and `stop_gradient_views`.
+
+They run with this suite's float64 default and strict rank promotion, but with
+standard dtype promotion: optax's Adam computes `b1 ** count` (a Python float to an
+int32 power), which strict promotion rejects.
+"""
+
+import importlib.util
+import inspect
+import math
+import pathlib
+import re
+
+import jax
+import numpy as np
+import pytest
+
+
+EXAMPLES = pathlib.Path(__file__).parents[1] / "examples"
+
+
+def run(name: str) -> dict:
+    spec = importlib.util.spec_from_file_location(
+        f"eqfisher_example_{name}", EXAMPLES / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with jax.numpy_dtype_promotion("standard"):
+        return module.main(smoke=True)
+
+
+def test_every_example_is_tested():
+    names = {p.stem for p in EXAMPLES.glob("*.py")}
+    tested = {n.removeprefix("test_") for n in globals() if n.startswith("test_")}
+    assert names <= tested, f"examples without a test: {sorted(names - tested)}"
+
+
+def test_kfac_digits():
+    r = run("kfac_digits")
+    assert r["train_loss"] < 0.2
+    assert r["train_accuracy"] > 0.95 and r["test_accuracy"] > 0.9
+    assert r["curvature_ok"]
+
+
+def test_laplace_digits():
+    r = run("laplace_digits")
+    for split in ("clean", "noisy"):
+        for m in r[split].values():
+            assert all(math.isfinite(m[k]) for k in ("accuracy", "nll", "ece"))
+            assert 0 <= m["ece"] <= 1
+    # The prior precisions maximise the marginal likelihood inside the grid.
+    for name in ("Laplace K-FAC", "Laplace last layer"):
+        assert 1e-3 < r["clean"][name]["prior_precision"] < 1e4
+    # Under input noise the overconfident MAP model is beaten by both posteriors.
+    for name in ("Laplace K-FAC", "Laplace last layer"):
+        assert r["noisy"][name]["nll"] < 0.7 * r["noisy"]["MAP"]["nll"]
+    # The last-layer posterior (probit) keeps the MAP model's clean accuracy.
+    assert r["clean"]["Laplace last layer"]["accuracy"] >= (
+        r["clean"]["MAP"]["accuracy"] - 0.02
+    )
+    # log det(N·C + δ·I) = P·log N + logdet(C, δ/N), against a dense slogdet.
+    assert r["logdet_via_curvature"] == pytest.approx(r["logdet_direct"], rel=1e-4)
+
+
+def test_ewc_split_digits():
+    r = run("ewc_split_digits")
+    assert r["task_A_before"] > 0.95
+    # Plain fine-tuning forgets task A; EWC retains clearly more of it.
+    assert r["EWC"]["task_A"] > r["fine-tuning"]["task_A"] + 0.05
+    assert r["EWC"]["task_B"] > 0.85 and r["fine-tuning"]["task_B"] > 0.9
+
+
+def test_vmc_harmonic():
+    r = run("vmc_harmonic")
+    assert abs(r["energy"] - 0.5) < 0.01
+    assert abs(r["a"] - 0.5) < 0.01 and abs(r["b"]) < 0.01
+    # The registered loss's GGN is the SR metric 4·mean(Õ Õᵀ).
+    assert r["metric_error"] < 1e-4 * r["metric_scale"]
+
+
+def test_stop_gradient_views():
+    r = run("stop_gradient_views")
+    assert r["gradient_error"] <= 1e-6 * r["gradient_scale"]
+    assert r["scans_with_views"] == 1
+    assert r["scans_one_by_one"] > 1
+    assert r["final_loss"] < 0.9 * r["initial_loss"]
+
+
+def test_influence():
+    r = run("influence")
+    assert r["solve_error"] < 1e-3
+    scale = np.max(np.abs(r["influence_dense"]))
+    np.testing.assert_allclose(
+        r["influence"], r["influence_dense"], atol=1e-3 * scale, rtol=0
+    )
+    # The most helpful points lower the test loss, the most harmful raise it.
+    assert r["influence"][r["helpful"][0]] < 0 < r["influence"][r["harmful"][0]]
+
+
+def test_api_reference_covers_every_public_name():
+    import eqfisher
+
+    def resolve(path):
+        # The longest importable prefix, then attributes: `eqfisher.curvature` is
+        # both a submodule and, as an attribute of `eqfisher`, a function.
+        parts = path.split(".")
+        for k in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:k]))
+            except ImportError:
+                continue
+            for part in parts[k:]:
+                obj = getattr(obj, part)
+            return obj
+        raise ImportError(path)
+
+    text = (EXAMPLES.parent / "docs" / "api.md").read_text()
+    documented = {id(resolve(p)) for p in re.findall(r"^::: (\S+)", text, flags=re.M)}
+
+    def public(module):
+        if hasattr(module, "__all__"):
+            return {n: getattr(module, n) for n in module.__all__}
+        return {
+            n: obj
+            for n, obj in vars(module).items()
+            if not n.startswith("_")
+            and not inspect.ismodule(obj)
+            and (getattr(obj, "__module__", "") or "").startswith(module.__name__)
+        }
+
+    missing = [
+        f"{m.__name__}.{n}"
+        for m in (eqfisher, eqfisher.filters, eqfisher.blocks, eqfisher.optim)
+        + (eqfisher.losses,)
+        for n, obj in public(m).items()
+        if not inspect.ismodule(obj) and id(obj) not in documented
+    ]
+    assert not missing, f"not in docs/api.md: {missing}"
