@@ -37,13 +37,14 @@ class Curvature(lx.AbstractLinearOperator):
 
     - `blocks`: a dict from block name (the layer's model path, or a parameter path
       for a leaf in no layer; `"all"` for `Dense()`) to an `eqfisher.blocks` block.
-    - `leaf_indices`: static; for each block, the positions of its leaves among the
+    - `leaf_indices`: static; `(name, positions)` pairs: for each block, the
+      positions of its leaves among the
       operand's leaves.
     - `structure`: static; the operand as a PyTree of `jax.ShapeDtypeStruct`.
     """
 
     blocks: dict[str, AbstractBlock]
-    leaf_indices: tuple[tuple[int, ...], ...] = eqx.field(static=True)
+    leaf_indices: tuple[tuple[str, tuple[int, ...]], ...] = eqx.field(static=True)
     structure: PyTree = eqx.field(static=True)
 
     def _leaves(self, vector: PyTree, method: str) -> tuple[list[Array], Any]:
@@ -64,7 +65,9 @@ class Curvature(lx.AbstractLinearOperator):
     def _map(self, vector: PyTree, fn: Callable, method: str) -> PyTree:
         leaves, treedef = self._leaves(vector, method)
         out = list(leaves)
-        for block, idx in zip(self.blocks.values(), self.leaf_indices):
+        # Blocks are found by name: a dict passing through `jit` comes back sorted.
+        for name, idx in self.leaf_indices:
+            block = self.blocks[name]
             for i, x in zip(idx, fn(block, tuple(leaves[i] for i in idx))):
                 out[i] = x
         return jax.tree_util.tree_unflatten(treedef, out)
@@ -87,7 +90,8 @@ class Curvature(lx.AbstractLinearOperator):
             )
         )
         out = jnp.zeros((offsets[-1], offsets[-1]), dtype)
-        for block, idx in zip(self.blocks.values(), self.leaf_indices):
+        for name, idx in self.leaf_indices:
+            block = self.blocks[name]
             pos = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in idx])
             out = out.at[np.ix_(pos, pos)].set(block.as_matrix().astype(dtype))
         return out
@@ -236,7 +240,7 @@ class _Builder(eqx.Module):
                 else None
             )
             blocks[g.name] = _block(self.structure, g, s.params, uses, rows, reduce)
-            indices.append(tuple(position[i] for i in g.leaves))
+            indices.append((g.name, tuple(position[i] for i in g.leaves)))
         p_leaves = jax.tree_util.tree_leaves(params)
         shapes = [
             jax.ShapeDtypeStruct(p.shape, p.dtype) if i in position else None
@@ -327,8 +331,15 @@ def curvature(
 
     A `Curvature`, a lineax operator over the (selected) parameters.
     """
+    _check_args("eqfisher.curvature", estimator, structure, key)
+    return _curvature_jit(loss_fn, model, batch, estimator, structure, key, where)
+
+
+# Compiled even when called eagerly: the interpreted program would otherwise run op
+# by op. Inside an outer `jit` this is an ordinary nested call.
+@eqx.filter_jit
+def _curvature_jit(loss_fn, model, batch, estimator, structure, key, where):
     caller = "eqfisher.curvature"
-    _check_args(caller, estimator, structure, key)
     builder = _Builder(Traced(loss_fn, caller), estimator, structure, where, caller)
     return builder(model, batch, key, full=False)[0]
 
@@ -377,6 +388,10 @@ def value_grad_and_curvature(
 
     def fn(model, batch, *, key=None):
         _check_args(caller, estimator, structure, key)
+        return compiled(model, batch, key)
+
+    @eqx.filter_jit
+    def compiled(model, batch, key):
         builder = _Builder(traced, estimator, structure, where, caller)
         curv, outputs, grads, s = builder(
             model, batch, key, full=True, cotangent_fn=cotangent_fn

@@ -132,7 +132,8 @@ def kfac_sample(curv: ef.Curvature, n: int, prec, key) -> ef.Curvature:
     leaves, treedef = jax.tree_util.tree_flatten(structure)
     out = [None] * len(leaves)
     keys = jax.random.split(key, len(curv.blocks))
-    for k, block, idx in zip(keys, curv.blocks.values(), curv.leaf_indices):
+    for k, (name, idx) in zip(keys, curv.leaf_indices):
+        block = curv.blocks[name]
         assert isinstance(block, ef.blocks.KroneckerFactored)
         assert block.weight_perm == (0, 1) and len(idx) == 2  # a Linear with bias
         s_a, q_a = jnp.linalg.eigh(block.a)
