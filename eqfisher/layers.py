@@ -171,7 +171,7 @@ def _conv(node: Node, views, shapes) -> _Candidate | None:
         return None
     # Grouped convolutions are block-diagonal in the channels: no one Kronecker
     # factor pair fits them, so they stay unmatched (diagonal).
-    if node.params["batch_group_count"] != 1 or node.params["feature_group_count"] != 1:
+    if node.params["batch_group_count"] != 1:
         return None
     dn = node.params["dimension_numbers"]
     view = views[id(rhs)]

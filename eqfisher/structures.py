@@ -127,6 +127,15 @@ def groups(
         covered.update(leaves)
         weight_in = r.weight_perm is not None and indices[0] in chosen
         kron = isinstance(structure, (KFAC, EKFAC)) and r.kind != "scale_and_shift"
+        if kron and weight_in and r.kind == "conv":
+            if r.core.params["feature_group_count"] != 1:
+                raise ValueError(
+                    f"`{caller}(..., structure={structure!r})`: layer `{r.info.name}` "
+                    "is a grouped convolution, whose curvature is block-diagonal "
+                    "over its groups; K-FAC does not support it yet. Exclude it "
+                    "with `where=` (e.g. `~eqfisher.filters.by_path("
+                    f"'{r.info.name}.*')`) or use structure=eqfisher.Diagonal()."
+                )
         out.append(
             Group(
                 r.info.name,
