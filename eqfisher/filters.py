@@ -36,7 +36,7 @@ class AbstractFilter(eqx.Module):
 
     @abc.abstractmethod
     def __call__(self, path: _KeyPath, leaf: Any, nodes: tuple[Any, ...]) -> bool:
-        raise NotImplementedError
+        """Whether the leaf at `path` is selected."""
 
     def __and__(self, other: "AbstractFilter") -> "AbstractFilter":
         return _And(self, other)

@@ -116,7 +116,7 @@ def results(name: str) -> dict[str, Any]:
     return run(model, batch)
 
 
-def _close(actual, expected):
+def assert_close(actual, expected):
     actual, expected = np.asarray(actual), np.asarray(expected)
     assert actual.shape == expected.shape
     scale = np.max(np.abs(expected))
@@ -136,17 +136,34 @@ def test_parameters_round_trip(name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_curvature_matches_curvlinops(name, structure):
     _, _, data = load(name)
-    _close(results(name)[structure], data[STRUCTURES[structure][1]])
+    assert_close(results(name)[structure], data[STRUCTURES[structure][1]])
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_ggn_operator_matches_curvlinops(name):
     _, _, data = load(name)
-    _close(results(name)["ggn_operator"], data["ggn"])
+    assert_close(results(name)["ggn_operator"], data["ggn"])
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_fisher_exact_is_the_ggn(name):
     # The registered losses are exponential families in their natural parameters.
     _, _, data = load(name)
-    _close(results(name)["fisher_exact"], data["ggn"])
+    assert_close(results(name)["fisher_exact"], data["ggn"])
+
+
+def test_kfac_reduce_matches_curvlinops():
+    # Only the CNN shares weights (over conv patches); for its conv layer "reduce"
+    # averages each example's patches and sums its output cotangents.
+    model, batch, data = load("cnn_tanh_ce")
+    curv = eqx.filter_jit(
+        lambda m, b: ef.curvature(
+            CASES["cnn_tanh_ce"].loss_fn,
+            m,
+            b,
+            estimator=ef.GGN(),
+            structure=ef.KFAC(weight_sharing="reduce"),
+        ).as_matrix()
+    )(model, batch)
+    assert_close(curv, data["kfac_reduce"])
+    assert not np.allclose(data["kfac_reduce"], data["kfac_expand"])
