@@ -4,7 +4,7 @@ Tested on jax 0.9.x and 0.10.x. Keep this module small: the rest of eqfisher tal
 jaxprs only through the names defined here.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -34,9 +34,6 @@ CALL_BODIES = {
     "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr",
 }
-CUSTOM_DERIVATIVE_CALLS = frozenset(
-    {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
-)
 
 
 def make_jaxpr(fn: Callable, *args: Any) -> tuple[Jaxpr, list[Any]]:
@@ -129,7 +126,3 @@ def instantiate_zeros(tangent: Any) -> Any:
 def move_batch_axis(x: Any, bdim: Any, size: int) -> Any:
     """Moves a vmapped operand's batch axis to 0, broadcasting unbatched ones."""
     return batching.bdim_at_front(x, bdim, size)
-
-
-def atoms_shapes(atoms: Sequence[Any]) -> list[tuple[int, ...]]:
-    return [tuple(a.aval.shape) for a in atoms]

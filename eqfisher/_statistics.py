@@ -1,7 +1,6 @@
 """Curvature statistics: K-FAC factors from one forward and a stacked VJP, and
 exact per-example parameter vectors for the structures that need them."""
 
-import math
 from collections.abc import Sequence
 
 import jax
@@ -177,8 +176,3 @@ def per_example_vectors(
 def ravel_rows(rows: Sequence[Array]) -> Array:
     """Concatenates `(M, *shape)` leaves into one `(M, Σ size)` matrix."""
     return jnp.concatenate([r.reshape(r.shape[0], -1) for r in rows], axis=1)
-
-
-def num_locations(record: LayerRecord) -> int:
-    shape = record.outputs.aval.shape
-    return math.prod(shape) // record.d_out
