@@ -20,6 +20,7 @@ from .blocks import (
     KroneckerFactored,
     ekfac_from_kronecker,
 )
+from .blocks._base import register_psd_operator
 from .blocks._layout import to_matrix
 from .estimators import AbstractEstimator, stacked_vectors
 from .structures import EKFAC, AbstractStructure, BlockDiagonal, Dense, Group, groups
@@ -127,40 +128,7 @@ class Curvature(lx.AbstractLinearOperator):
         return self.structure
 
 
-@lx.is_symmetric.register(Curvature)
-@lx.is_positive_semidefinite.register(Curvature)
-def _(operator):
-    return True
-
-
-@lx.is_negative_semidefinite.register(Curvature)
-@lx.is_diagonal.register(Curvature)
-@lx.is_tridiagonal.register(Curvature)
-@lx.is_lower_triangular.register(Curvature)
-@lx.is_upper_triangular.register(Curvature)
-@lx.has_unit_diagonal.register(Curvature)
-def _(operator):
-    return False
-
-
-@lx.linearise.register(Curvature)
-@lx.materialise.register(Curvature)
-@lx.conj.register(Curvature)
-def _(operator):
-    return operator
-
-
-@lx.diagonal.register(Curvature)
-def _(operator):
-    return jnp.concatenate(
-        [jnp.ravel(x) for x in jax.tree_util.tree_leaves(operator.diagonal())]
-    )
-
-
-@lx.tridiagonal.register(Curvature)
-def _(operator):
-    matrix = operator.as_matrix()
-    return jnp.diag(matrix, -1), jnp.diag(matrix), jnp.diag(matrix, 1)
+register_psd_operator(Curvature)
 
 
 def _check_args(caller: str, estimator, structure, key) -> None:

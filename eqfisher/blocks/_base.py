@@ -164,44 +164,43 @@ def check_operand(vector: Operand, structure: Structure, method: str) -> None:
 
 
 # lineax queries its operators through `functools.singledispatch` functions; each
-# needs a registration, or lineax raises `NotImplementedError`. Registering the
-# abstract base covers every block (dispatch follows the MRO); `Diagonal` overrides
-# the structural tags in its own file.
+# needs a registration, or lineax raises `NotImplementedError`.
 
 
-@lx.is_symmetric.register(AbstractBlock)
-@lx.is_positive_semidefinite.register(AbstractBlock)
-def _(operator):
-    return True
+def register_psd_operator(cls: type) -> type:
+    """Registers `cls` with lineax as a real, symmetric, positive-semidefinite operator
+    whose `diagonal()` method returns the diagonal as a PyTree like the operand.
 
-
-@lx.is_negative_semidefinite.register(AbstractBlock)
-@lx.is_diagonal.register(AbstractBlock)
-@lx.is_tridiagonal.register(AbstractBlock)
-@lx.is_lower_triangular.register(AbstractBlock)
-@lx.is_upper_triangular.register(AbstractBlock)
-@lx.has_unit_diagonal.register(AbstractBlock)
-def _(operator):
-    return False
-
-
-@lx.linearise.register(AbstractBlock)
-@lx.materialise.register(AbstractBlock)
-@lx.conj.register(AbstractBlock)  # blocks are real
-def _(operator):
-    return operator
-
-
-@lx.diagonal.register(AbstractBlock)
-def _(operator):
-    return ravel(operator.diagonal())
-
-
-@lx.tridiagonal.register(AbstractBlock)
-def _(operator):
-    matrix = operator.as_matrix()
-    return (
-        jnp.diagonal(matrix),
-        jnp.diagonal(matrix, offset=-1),
-        jnp.diagonal(matrix, offset=1),
+    Used for `AbstractBlock` (dispatch follows the MRO, so every block is covered;
+    `Diagonal` overrides the structural tags in its own file) and for `Curvature`.
+    """
+    for query in (lx.is_symmetric, lx.is_positive_semidefinite):
+        query.register(cls)(lambda operator: True)
+    for query in (
+        lx.is_negative_semidefinite,
+        lx.is_diagonal,
+        lx.is_tridiagonal,
+        lx.is_lower_triangular,
+        lx.is_upper_triangular,
+        lx.has_unit_diagonal,
+    ):
+        query.register(cls)(lambda operator: False)
+    for transform in (lx.linearise, lx.materialise, lx.conj):  # conj: real operators
+        transform.register(cls)(lambda operator: operator)
+    lx.diagonal.register(cls)(
+        lambda operator: ravel(tuple(jax.tree_util.tree_leaves(operator.diagonal())))
     )
+
+    @lx.tridiagonal.register(cls)
+    def _(operator):
+        matrix = operator.as_matrix()
+        return (
+            jnp.diagonal(matrix),
+            jnp.diagonal(matrix, offset=-1),
+            jnp.diagonal(matrix, offset=1),
+        )
+
+    return cls
+
+
+register_psd_operator(AbstractBlock)
