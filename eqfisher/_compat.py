@@ -47,7 +47,11 @@ def call_body(eqn: JaxprEqn) -> tuple[Jaxpr, list[Any]] | None:
     key = CALL_BODIES.get(eqn.primitive.name)
     if key is None or key not in eqn.params:
         return None
-    body = eqn.params[key]
+    return call_body_of(eqn.params[key])
+
+
+def call_body_of(body: Any) -> tuple[Jaxpr, list[Any]] | None:
+    """A `ClosedJaxpr` (or bare `Jaxpr`) parameter as `(jaxpr, consts)`."""
     # A ClosedJaxpr has `.jaxpr` and `.consts`; a bare Jaxpr (remat2) has neither.
     # From jax 0.11 the two classes merge: a Jaxpr then carries its own consts.
     inner = getattr(body, "jaxpr", body)

@@ -2,8 +2,11 @@
 
 Nested `jit`, `jax.checkpoint` and custom-derivative calls that carry parameters or
 a loss tag are inlined, so that layers inside them are visible and can be perturbed.
-Every other equation (`relu`'s custom JVP, `scan`, `cond`, ...) stays one opaque node
-evaluated as a whole, so its own derivative rules are kept.
+A `scan` that reads parameters (stacked layers as `xs`, or shared weights as
+consts) is unrolled, up to `MAX_UNROLL` steps: each step's slice of a stacked leaf
+becomes a *unit*, a parameter of its own, so the layers of every step are found.
+Every other equation (`relu`'s custom JVP, `cond`, longer scans, ...) stays one
+opaque node evaluated as a whole, so its own derivative rules are kept.
 """
 
 import dataclasses
@@ -12,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _compat
 from .losses import loss_tag_p
@@ -94,13 +98,35 @@ class Node:
         return tuple(self.operand(i) for i in range(len(self.eqn.invars)))
 
 
+# Scans longer than this stay opaque: unrolling them would make the program (and
+# its compile time) grow with the number of steps.
+MAX_UNROLL = 128
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Unit:
+    """A slice `leaf[index]` of a stacked parameter leaf, read by one scan step.
+
+    `var` is the program variable holding it, `nodes` the equations that cut it from
+    its `parent` unit (the leaf itself, or a coarser slice for nested scans).
+    """
+
+    var: PVar
+    leaf: int
+    index: tuple[int, ...]
+    parent: PVar
+    nodes: tuple[Node, ...]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Program:
-    """A flattened jaxpr: inputs, nodes in evaluation order, outputs."""
+    """A flattened jaxpr: inputs, nodes in evaluation order, outputs, and the
+    per-step slices of stacked parameters (`units`)."""
 
     invars: tuple[PVar, ...]
     nodes: tuple[Node, ...]
     outvars: tuple[Atom, ...]
+    units: tuple[Unit, ...] = ()
 
     def consumers(self) -> dict[int, list[Node]]:
         out: dict[int, list[Node]] = {}
@@ -123,15 +149,30 @@ def _contains_loss_tag(jaxpr) -> bool:
     return False
 
 
+def _scan_reads(eqn, args, param_like: set[int]) -> bool:
+    return (
+        eqn.primitive.name == "scan"
+        and 0 < eqn.params["length"] <= MAX_UNROLL
+        and any(id(a) in param_like for a in args)
+        and _compat.call_body_of(eqn.params["jaxpr"]) is not None
+    )
+
+
 def flatten(jaxpr, consts: Sequence[Any], num_params: int) -> Program:
-    """Inlines the call equations that carry parameters or loss tags.
+    """Inlines the call equations that carry parameters or loss tags, and unrolls
+    the scans that read parameters.
 
     The first `num_params` invars of `jaxpr` are the parameters.
     """
     nodes: list[Node] = []
+    units: list[Unit] = []
     invars = tuple(PVar(v.aval) for v in jaxpr.invars)
     # Parameters and views of them; a call fed by one is inlined.
     param_like: set[int] = {id(v) for v in invars[:num_params]}
+    # Parameter leaves and units: variable -> (leaf, index).
+    origin: dict[int, tuple[int, tuple[int, ...]]] = {
+        id(v): (i, ()) for i, v in enumerate(invars[:num_params])
+    }
 
     def walk(jaxpr, scope: dict[int, Atom]) -> list[Atom]:
         def atom(v) -> Atom:
@@ -145,33 +186,83 @@ def flatten(jaxpr, consts: Sequence[Any], num_params: int) -> Program:
             if body is not None and (
                 any(id(a) in param_like for a in args) or _contains_loss_tag(body[0])
             ):
-                inner, inner_consts = body
-                inner_scope = {
-                    id(v): Const(c) for v, c in zip(inner.constvars, inner_consts)
-                }
-                for v, u in zip(inner.invars, eqn.invars):
-                    inner_scope[id(v)] = atom(u)
-                results = walk(inner, inner_scope)
-                for v, r in zip(eqn.outvars, results):
+                results = inline(body, [atom(u) for u in eqn.invars])
+            elif _scan_reads(eqn, args, param_like):
+                results = unroll(eqn, [atom(u) for u in eqn.invars])
+            else:
+                outs = tuple(
+                    None if _compat.is_drop_var(v) else PVar(v.aval)
+                    for v in eqn.outvars
+                )
+                if eqn.primitive.name in STRUCTURAL and any(
+                    id(a) in param_like for a in args
+                ):
+                    param_like.update(id(o) for o in outs if o is not None)
+                nodes.append(Node(eqn, args, outs, _compat.eqn_evaluator(eqn)))
+                results = outs
+            for v, r in zip(eqn.outvars, results):
+                if r is not None and not _compat.is_drop_var(v):
                     scope[id(v)] = r
-                continue
-            outs = tuple(
-                None if _compat.is_drop_var(v) else PVar(v.aval) for v in eqn.outvars
-            )
-            for v, o in zip(eqn.outvars, outs):
-                if o is not None:
-                    scope[id(v)] = o
-            if eqn.primitive.name in STRUCTURAL and any(
-                id(a) in param_like for a in args
-            ):
-                param_like.update(id(o) for o in outs if o is not None)
-            nodes.append(Node(eqn, args, outs, _compat.eqn_evaluator(eqn)))
         return [atom(v) for v in jaxpr.outvars]
+
+    def inline(body, atoms: Sequence[Atom]) -> list[Atom]:
+        inner, inner_consts = body
+        scope = {id(v): Const(c) for v, c in zip(inner.constvars, inner_consts)}
+        scope.update({id(v): a for v, a in zip(inner.invars, atoms)})
+        return walk(inner, scope)
+
+    def call(fn: Callable, atoms: Sequence[Atom]) -> list[Atom]:
+        """Inlines the jaxpr of `fn` applied to `atoms`."""
+        if all(isinstance(a, Const) for a in atoms):
+            out = fn(*(a.value for a in atoms))
+            return [Const(x) for x in (out if isinstance(out, list) else [out])]
+        specs = [
+            jax.ShapeDtypeStruct(np.shape(a.value), np.result_type(a.value))
+            if isinstance(a, Const)
+            else jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype)
+            for a in atoms
+        ]
+        return inline(_compat.make_jaxpr(fn, *specs), atoms)
+
+    def step_slice(a: Atom, step: int) -> Atom:
+        start = len(nodes)
+        (out,) = call(lambda x: jax.lax.index_in_dim(x, step, keepdims=False), [a])
+        if id(a) in origin and isinstance(out, PVar):
+            leaf, index = origin[id(a)]
+            origin[id(out)] = (leaf, index + (step,))
+            units.append(Unit(out, leaf, index + (step,), a, tuple(nodes[start:])))
+            param_like.add(id(out))
+        elif id(a) in param_like and isinstance(out, PVar):
+            param_like.add(id(out))
+        return out
+
+    def unroll(eqn, atoms: Sequence[Atom]) -> list[Atom]:
+        p = eqn.params
+        n_c, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
+        consts, carry = list(atoms[:n_c]), list(atoms[n_c : n_c + n_carry])
+        xs = atoms[n_c + n_carry :]
+        body = _compat.call_body_of(p["jaxpr"])
+        steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
+        ys_steps = {}
+        for step in steps:
+            x = [step_slice(a, step) for a in xs]
+            results = inline(body, consts + carry + x)
+            carry, ys_steps[step] = results[:n_carry], results[n_carry:]
+        ys = []
+        for j, v in enumerate(eqn.outvars[n_carry:]):
+            if _compat.is_drop_var(v):
+                ys.append(None)
+                continue
+            parts = [ys_steps[t][j] for t in range(length)]
+            ys.extend(call(lambda *y: jnp.stack(y), parts))
+        return carry + ys
 
     scope: dict[int, Atom] = {id(v): Const(c) for v, c in zip(jaxpr.constvars, consts)}
     scope.update({id(v): p for v, p in zip(jaxpr.invars, invars)})
     outvars = walk(jaxpr, scope)
-    return Program(invars=invars, nodes=tuple(nodes), outvars=tuple(outvars))
+    return Program(
+        invars=invars, nodes=tuple(nodes), outvars=tuple(outvars), units=tuple(units)
+    )
 
 
 @jax.tree_util.register_pytree_node_class

@@ -39,14 +39,25 @@ class Curvature(lx.AbstractLinearOperator):
     - `blocks`: a dict from block name (the layer's model path, or a parameter path
       for a leaf in no layer; `"all"` for `Dense()`) to an `eqfisher.blocks` block.
     - `leaf_indices`: static; `(name, positions)` pairs: for each block, the
-      positions of its leaves among the
-      operand's leaves.
+      positions of its leaves among the operand's leaves.
     - `structure`: static; the operand as a PyTree of `jax.ShapeDtypeStruct`.
+    - `leaf_slices`: static; parallel to `leaf_indices`: for each block and each of
+      its positions, the index into that leaf's leading axes (`()`: the whole
+      leaf). A stacked leaf read by a `lax.scan` has one block per step, each on
+      its slice `leaf[k]`. `None` when every block covers whole leaves.
     """
 
     blocks: dict[str, AbstractBlock]
     leaf_indices: tuple[tuple[str, tuple[int, ...]], ...] = eqx.field(static=True)
     structure: PyTree = eqx.field(static=True)
+    leaf_slices: tuple[tuple[tuple[int, ...], ...], ...] | None = eqx.field(
+        static=True, default=None
+    )
+
+    def _parts(self):
+        """`(name, positions, slices)` for each block."""
+        slices = self.leaf_slices or [((),) * len(i) for _, i in self.leaf_indices]
+        return [(n, i, sl) for (n, i), sl in zip(self.leaf_indices, slices)]
 
     def _leaves(self, vector: PyTree, method: str) -> tuple[list[Array], Any]:
         # Leaves are matched by position and shape rather than by tree structure, so
@@ -67,10 +78,11 @@ class Curvature(lx.AbstractLinearOperator):
         leaves, treedef = self._leaves(vector, method)
         out = list(leaves)
         # Blocks are found by name: a dict passing through `jit` comes back sorted.
-        for name, idx in self.leaf_indices:
+        for name, idx, sl in self._parts():
             block = self.blocks[name]
-            for i, x in zip(idx, fn(block, tuple(leaves[i] for i in idx))):
-                out[i] = x
+            parts = tuple(leaves[i][k] if k else leaves[i] for i, k in zip(idx, sl))
+            for i, k, x in zip(idx, sl, fn(block, parts)):
+                out[i] = out[i].at[k].set(x) if k else x
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def mv(self, vector: PyTree) -> PyTree:
@@ -91,9 +103,15 @@ class Curvature(lx.AbstractLinearOperator):
             )
         )
         out = jnp.zeros((offsets[-1], offsets[-1]), dtype)
-        for name, idx in self.leaf_indices:
+        shapes = [s.shape for s in jax.tree_util.tree_leaves(self.structure)]
+        for name, idx, sl in self._parts():
             block = self.blocks[name]
-            pos = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in idx])
+            pos = np.concatenate(
+                [
+                    offsets[i] + np.arange(sizes[i]).reshape(shapes[i])[k].ravel()
+                    for i, k in zip(idx, sl)
+                ]
+            )
             out = out.at[np.ix_(pos, pos)].set(block.as_matrix().astype(dtype))
         return out
 
@@ -116,7 +134,7 @@ class Curvature(lx.AbstractLinearOperator):
         if other.blocks.keys() != self.blocks.keys():
             raise ValueError("`Curvature.ema(other, decay)`: `other` has other blocks.")
         new = {k: b.ema(other.blocks[k], decay) for k, b in self.blocks.items()}
-        return Curvature(new, self.leaf_indices, self.structure)
+        return Curvature(new, self.leaf_indices, self.structure, self.leaf_slices)
 
     def transpose(self) -> "Curvature":
         return self
@@ -190,10 +208,14 @@ class _Builder(eqx.Module):
         need_examples = [g for g in grouping if g.needs_examples]
         rows = {}
         if need_examples:
-            leaves = sorted({i for g in need_examples for i in g.leaves})
+            parts = sorted({i for g in need_examples for i in g.leaves})
+            leaves = sorted({processed.units[i][0] for i in parts})
             vecs = stats.per_example_vectors(self.traced, model, batch, vectors, leaves)
-            rows = dict(zip(leaves, vecs))
-        blocks, indices = {}, []
+            by_leaf = dict(zip(leaves, vecs))
+            for i in parts:
+                leaf, index = processed.units[i]
+                rows[i] = by_leaf[leaf][(slice(None),) + index]
+        blocks, indices, slices = {}, [], []
         position = {p: j for j, p in enumerate(selected)}
         for g in grouping:
             uses = [
@@ -207,8 +229,11 @@ class _Builder(eqx.Module):
                 if g.kronecker
                 else None
             )
-            blocks[g.name] = _block(self.structure, g, s.params, uses, rows, reduce)
-            indices.append((g.name, tuple(position[i] for i in g.leaves)))
+            values = tuple(processed.take(s.params, i) for i in g.leaves)
+            blocks[g.name] = _block(self.structure, g, values, uses, rows, reduce)
+            units = [processed.units[i] for i in g.leaves]
+            indices.append((g.name, tuple(position[leaf] for leaf, _ in units)))
+            slices.append(tuple(index for _, index in units))
         p_leaves = jax.tree_util.tree_leaves(params)
         shapes = [
             jax.ShapeDtypeStruct(p.shape, p.dtype) if i in position else None
@@ -217,7 +242,10 @@ class _Builder(eqx.Module):
         structure = jax.tree_util.tree_unflatten(
             jax.tree_util.tree_structure(params), shapes
         )
-        curv = Curvature(blocks, tuple(indices), structure)
+        if any(any(sl) for sl in slices):
+            curv = Curvature(blocks, tuple(indices), structure, tuple(slices))
+        else:
+            curv = Curvature(blocks, tuple(indices), structure)
         return curv, outputs, grads, s
 
 
@@ -241,8 +269,7 @@ def _reduce_examples(structure, g: Group, n: int, caller: str) -> int | None:
     return n
 
 
-def _block(structure, g: Group, params, uses, rows, reduce) -> AbstractBlock:
-    leaves = tuple(params[i] for i in g.leaves)
+def _block(structure, g: Group, leaves, uses, rows, reduce) -> AbstractBlock:
     dtype = stats.stat_dtype(leaves[0].dtype)
     if g.kronecker:
         with_bias = len(g.leaves) == 2

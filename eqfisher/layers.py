@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import equinox as eqx
 
-from . import _axes
+from . import _axes, _program
 from ._program import STRUCTURAL, Const, Node, Program, PVar
 from .losses import loss_tag_p
 
@@ -100,9 +100,14 @@ class _Candidate:
     chain: tuple[Node, ...] = ()
 
 
+def sources(program: Program, num_params: int) -> list[PVar]:
+    """The variable of each parameter index: the leaves, then the scan units."""
+    return list(program.invars[:num_params]) + [u.var for u in program.units]
+
+
 def _views(program: Program, num_params: int) -> dict[int, _View]:
     views: dict[int, _View] = {}
-    for i, v in enumerate(program.invars[:num_params]):
+    for i, v in enumerate(sources(program, num_params)):
         views[id(v)] = _View(i, tuple(range(len(v.aval.shape))), ())
     for node in program.nodes:
         if node.name not in STRUCTURAL or not node.args:
@@ -437,10 +442,22 @@ class Detection:
     unmatched: tuple[tuple[str, str], ...]  # (path, reason)
 
 
-def detect(program: Program, param_paths: Sequence[str]) -> Detection:
-    """Finds the layers of `program`, whose first invars are the parameters."""
-    num = len(param_paths)
-    shapes = [tuple(v.aval.shape) for v in program.invars[:num]]
+def unit_paths(program: Program, leaf_paths: Sequence[str]) -> list[str]:
+    """The path of each parameter index: `.layers.weight`, `.layers.weight[2]`."""
+    return list(leaf_paths) + [
+        leaf_paths[u.leaf] + "".join(f"[{i}]" for i in u.index) for u in program.units
+    ]
+
+
+def detect(program: Program, leaf_paths: Sequence[str]) -> Detection:
+    """Finds the layers of `program`, whose first invars are the parameter leaves.
+
+    Parameters are numbered as in `sources`: leaves, then scan units.
+    """
+    num = len(leaf_paths)
+    param_paths = unit_paths(program, leaf_paths)
+    srcvars = sources(program, num)
+    shapes = [tuple(v.aval.shape) for v in srcvars]
     views = _views(program, num)
     consumers = program.consumers()
     reach = _reaching_losses(program)
@@ -496,7 +513,7 @@ def detect(program: Program, param_paths: Sequence[str]) -> Detection:
         for view in (cand.weight, cand.bias):
             if view is None:
                 continue
-            srcs = [program.invars[view.index]] + [n.outs[0] for n in view.nodes]
+            srcs = [srcvars[view.index]] + [n.outs[0] for n in view.nodes]
             for src in srcs:
                 for user in consumers.get(id(src), []):
                     if id(user) in own:
@@ -508,6 +525,7 @@ def detect(program: Program, param_paths: Sequence[str]) -> Detection:
                         )
                         dropped.add(id(cand))
 
+    _check_stacks(program, num, consumers, reach, cands, reasons, dropped)
     for cand in cands:  # the other leaves of a dropped layer say why
         if id(cand) not in dropped:
             continue
@@ -528,6 +546,12 @@ def detect(program: Program, param_paths: Sequence[str]) -> Detection:
             continue
         indices = tuple(v.index for v in (cand.weight, cand.bias) if v is not None)
         paths = tuple(param_paths[i] for i in indices)
+        name = layer_name(paths)
+        steps = {program.units[i - num].index if i >= num else None for i in indices}
+        if len(steps) == 1 and (step := steps.pop()) is not None:
+            # One scan step's slices: the step index comes last, `blocks.attn.q[2]`.
+            base = [leaf_paths[program.units[i - num].leaf] for i in indices]
+            name = layer_name(base) + "".join(f"[{k}]" for k in step)
         order = out_order(cand.out_labels)
         out_shape = cand.outputs.aval.shape
         d_out = math.prod(
@@ -541,7 +565,7 @@ def detect(program: Program, param_paths: Sequence[str]) -> Detection:
                 nodes = view.nodes + nodes
         records.append(
             LayerRecord(
-                info=LayerInfo(layer_name(paths), cand.kind, paths),
+                info=LayerInfo(name, cand.kind, paths),
                 param_indices=indices,
                 inputs=cand.activation,
                 outputs=cand.outputs,
@@ -552,26 +576,31 @@ def detect(program: Program, param_paths: Sequence[str]) -> Detection:
                 weight_perm=cand.weight_perm,
                 bias_shape=None
                 if cand.bias is None or cand.weight is None
-                else tuple(program.invars[cand.bias.index].aval.shape),
+                else tuple(srcvars[cand.bias.index].aval.shape),
                 core=cand.core,
                 nodes=nodes,
             )
         )
-    records.sort(key=lambda r: min(r.param_indices))
+    # Model order: a scan unit sorts with its leaf, by step.
+    order = [(i, ()) for i in range(num)] + [(u.leaf, u.index) for u in program.units]
+    records.sort(key=lambda r: min(order[i] for i in r.param_indices))
     records = _unique_names(records)
     used = {i for r in records for i in r.param_indices}
+    split = {id(u.parent) for u in program.units}
     unmatched = []
-    for i, path in enumerate(param_paths):
-        if i in used:
+    for i in sorted(range(len(param_paths)), key=order.__getitem__):
+        path = param_paths[i]
+        if i in used or id(srcvars[i]) in split:  # a stacked leaf: see its units
             continue
         if i in reasons:
             reason = reasons[i]
-        elif id(program.invars[i]) not in reach:
+        elif id(srcvars[i]) not in reach:
             reason = "does not affect any registered loss"
-        elif control := _control_flow_user(program, views, consumers, i):
-            reason = (
-                f"used inside `{control}`; layers inside control flow are not "
-                "detected yet"
+        elif control := _control_flow_user(srcvars, program, views, consumers, i):
+            reason = f"used inside `{control}`; " + (
+                f"scans longer than {_program.MAX_UNROLL} steps are not unrolled"
+                if control == "scan"
+                else "layers inside control flow are not detected yet"
             )
         else:
             reason = "no layer pattern"
@@ -582,9 +611,34 @@ def detect(program: Program, param_paths: Sequence[str]) -> Detection:
 _CONTROL_FLOW = frozenset({"scan", "cond", "while"})
 
 
-def _control_flow_user(program: Program, views, consumers, index: int) -> str | None:
+def _check_stacks(program, num, consumers, reach, cands, reasons, dropped) -> None:
+    """Drops the layers of scan units whose stacked leaf is also read another way:
+    their Kronecker statistics would miss that use."""
+    cutters: dict[int, set[int]] = {}  # parent var -> its units' slicing equations
+    for u in program.units:
+        cutters.setdefault(id(u.parent), set()).update(id(n) for n in u.nodes)
+    index = {id(u.var): num + j for j, u in enumerate(program.units)}
+    for u in program.units:
+        others = [
+            n
+            for n in consumers.get(id(u.parent), [])
+            if id(n) not in cutters[id(u.parent)]
+            and any(o is not None and id(o) in reach for o in n.outs)
+        ]
+        if others:
+            k = index[id(u.var)]
+            reasons[k] = (
+                "its stacked leaf is also used outside the scan "
+                f"(by `{others[0].name}`)"
+            )
+            for c in cands:
+                if any(v is not None and v.index == k for v in (c.weight, c.bias)):
+                    dropped.add(id(c))
+
+
+def _control_flow_user(srcvars, program, views, consumers, index: int) -> str | None:
     """The control-flow primitive a parameter (or a view of it) feeds, if any."""
-    srcs = [program.invars[index]] + [
+    srcs = [srcvars[index]] + [
         n.outs[0]
         for n in program.nodes
         if n.outs and id(n.outs[0]) in views and views[id(n.outs[0])].index == index

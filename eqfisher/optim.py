@@ -68,7 +68,7 @@ def _precompute(curv: Curvature) -> Curvature:
         k: (b.precompute() if isinstance(b, KroneckerFactored) else b)
         for k, b in curv.blocks.items()
     }
-    return Curvature(blocks, curv.leaf_indices, curv.structure)
+    return Curvature(blocks, curv.leaf_indices, curv.structure, curv.leaf_slices)
 
 
 def _all_finite(tree: PyTree) -> Array:

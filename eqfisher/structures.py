@@ -111,10 +111,15 @@ def groups(
     selected: list[int],
     caller: str,
 ) -> list[Group]:
-    """The blocks `structure` builds over the `selected` parameter leaves."""
-    chosen = set(selected)
+    """The blocks `structure` builds over the `selected` parameter leaves.
+
+    `Group.leaves` are parameter numbers (`ProcessedTrace.units`): whole leaves, or,
+    for a stacked leaf read by a scan, its per-step units.
+    """
     if isinstance(structure, Dense):
         return [Group("all", tuple(selected), (), False)]
+    selected = processed.parts(selected)
+    chosen = set(selected)
     applications: dict[tuple[int, ...], list[LayerRecord]] = {}
     for r in processed.layers:
         applications.setdefault(r.param_indices, []).append(r)
@@ -147,6 +152,6 @@ def groups(
         )
     for i in selected:
         if i not in covered:
-            out.append(Group(processed.param_paths[i].lstrip("."), (i,), (), False))
-    out.sort(key=lambda g: min(g.leaves))
+            out.append(Group(processed.paths[i].lstrip("."), (i,), (), False))
+    out.sort(key=lambda g: min(processed.units[i] for i in g.leaves))
     return out

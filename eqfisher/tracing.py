@@ -7,7 +7,7 @@ with the parameters known by their model paths. Everything here runs inside
 """
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, PyTree
 
 from . import _compat
 from ._program import Evaluation, Program, VarMap, evaluate, flatten
-from .layers import LayerInfo, LayerRecord, detect
+from .layers import LayerInfo, LayerRecord, detect, sources, unit_paths
 from .losses import AbstractLossFamily, loss_tag_p
 
 
@@ -88,7 +88,13 @@ class LayerReport(eqx.Module):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ProcessedTrace:
-    """A traced loss function: program, loss tags and layers. Immutable."""
+    """A traced loss function: program, loss tags and layers. Immutable.
+
+    Parameters are numbered: the leaves `0 .. num_params - 1`, then the scan units
+    (one step's slice of a stacked leaf, see `_program.Unit`). `units[i]` is the
+    `(leaf, index)` of parameter `i` (`index == ()` for a whole leaf), `paths[i]`
+    its path; `LayerRecord.param_indices` use these numbers.
+    """
 
     program: Program
     num_params: int
@@ -96,10 +102,29 @@ class ProcessedTrace:
     layers: tuple[LayerRecord, ...]
     unmatched: tuple[tuple[str, str], ...]
     families: tuple[AbstractLossFamily, ...]
+    units: tuple[tuple[int, tuple[int, ...]], ...]
+    paths: tuple[str, ...]
 
     @property
     def num_tags(self) -> int:
         return len(self.families)
+
+    def parts(self, leaves: Sequence[int]) -> list[int]:
+        """The parameters that partition the given leaves: each leaf itself, or the
+        finest units of a stacked leaf, in order."""
+        split = {id(u.parent) for u in self.program.units}
+        srcvars = sources(self.program, self.num_params)
+        chosen = set(leaves)
+        return [
+            i
+            for i, (leaf, _) in enumerate(self.units)
+            if leaf in chosen and id(srcvars[i]) not in split
+        ]
+
+    def take(self, leaves: Sequence[Any], i: int) -> Any:
+        """Parameter `i` of a list of leaves (or of leaf-shaped tangents)."""
+        leaf, index = self.units[i]
+        return leaves[leaf][index] if index else leaves[leaf]
 
     def run(
         self, inputs, perturbations: VarMap | None = None, *, full: bool = False
@@ -210,6 +235,9 @@ def trace(loss_fn: Callable, s: Split, *, caller: str = "eqfisher") -> Processed
         layers=found.layers,
         unmatched=found.unmatched,
         families=tuple(n.params["family"] for n in tags),
+        units=tuple((i, ()) for i in range(n_p))
+        + tuple((u.leaf, u.index) for u in program.units),
+        paths=tuple(unit_paths(program, paths)),
     )
 
 
@@ -308,9 +336,13 @@ class _LayerVjp:
                     LayerData(
                         inputs=x,
                         outputs=y,
-                        params=tuple(s.params[i] for i in r.param_indices),
+                        params=tuple(
+                            processed.take(s.params, i) for i in r.param_indices
+                        ),
                         outputs_tangent=point_ct[r.outputs],
-                        params_tangent=tuple(p_ct[i] for i in r.param_indices),
+                        params_tangent=tuple(
+                            processed.take(p_ct, i) for i in r.param_indices
+                        ),
                     )
                 )
             return tuple(out)

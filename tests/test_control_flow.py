@@ -1,5 +1,5 @@
-"""Models with lax.scan over stacked layers, lax.cond and BatchNorm: handled exactly
-where eqfisher can, refused with a clear message where it cannot; never a crash."""
+"""Models with lax.cond and BatchNorm: handled exactly where eqfisher can, refused
+with a clear message where it cannot; never a crash. (Scans: test_scan.py.)"""
 
 import equinox as eqx
 import jax
@@ -12,25 +12,6 @@ import eqfisher as ef
 
 
 F64 = jnp.float64
-
-
-class Scanned(eqx.Module):
-    layers: eqx.nn.Linear  # stacked: weight (3, 4, 4), bias (3, 4)
-    head: eqx.nn.Linear
-
-    def __init__(self, key):
-        k1, k2 = jax.random.split(key)
-        make = lambda k: eqx.nn.Linear(4, 4, dtype=F64, key=k)  # noqa: E731
-        self.layers = eqx.filter_vmap(make)(jax.random.split(k1, 3))
-        self.head = eqx.nn.Linear(4, 2, dtype=F64, key=k2)
-
-    def __call__(self, x):
-        params, static = eqx.partition(self.layers, eqx.is_array)
-
-        def body(h, p):
-            return jnp.tanh(eqx.combine(p, static)(h)), None
-
-        return self.head(jax.lax.scan(body, x, params)[0])
 
 
 class Branchy(eqx.Module):
@@ -59,29 +40,6 @@ def _ggn(model, batch):
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(out), y[:, None], 1))
 
     return dense_ggn(lambda m: jax.vmap(m)(x), loss, model)
-
-
-def test_scan_layers_are_reported_with_the_reason():
-    model = Scanned(jax.random.key(0))
-    report = ef.find_layers(ce, model, _data(4, 2))
-    assert [li.name for li in report.layers] == ["head"]
-    assert report.unmatched == (".layers.weight", ".layers.bias")
-    assert all("`scan`" in r for r in report.reasons)
-
-
-@pytest.mark.parametrize("structure", [ef.Dense(), ef.Diagonal(), ef.KFAC()])
-def test_scan_curvature_is_exact_where_promised(structure):
-    model = Scanned(jax.random.key(0))
-    batch = _data(4, 2)
-    ref = _ggn(model, batch)
-    curv = ef.curvature(ce, model, batch, estimator=ef.GGN(), structure=structure)
-    got = np.asarray(curv.as_matrix())
-    if isinstance(structure, ef.Dense):
-        np.testing.assert_allclose(got, ref, atol=1e-12)
-    else:  # the stacked leaves get exact diagonal blocks
-        n = 3 * 4 * 4 + 3 * 4
-        np.testing.assert_allclose(np.diag(got)[:n], np.diag(ref)[:n], atol=1e-12)
-        np.testing.assert_allclose(got[:n, :n], np.diag(np.diag(ref)[:n]), atol=1e-12)
 
 
 def test_cond_layers_are_reported_with_the_reason():

@@ -1,0 +1,331 @@
+"""`lax.scan` over stacked layers: every step's layer is found, on its slice of the
+stacked leaves, and its curvature blocks agree with dense float64 references."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import dense_ggn, tree_allclose
+
+import eqfisher as ef
+
+
+F64 = jnp.float64
+D = 4
+
+
+def _linear(key):
+    return eqx.nn.Linear(D, D, dtype=F64, key=key)
+
+
+class Scanned(eqx.Module):
+    layers: eqx.nn.Linear  # stacked: weight (3, D, D), bias (3, D)
+    head: eqx.nn.Linear
+
+    def __init__(self, key, depth=3):
+        k1, k2 = jax.random.split(key)
+        self.layers = eqx.filter_vmap(_linear)(jax.random.split(k1, depth))
+        self.head = eqx.nn.Linear(D, 2, dtype=F64, key=k2)
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.layers, eqx.is_array)
+
+        def body(h, p):
+            return jnp.tanh(eqx.combine(p, static)(h)), None
+
+        return self.head(jax.lax.scan(body, x, params)[0])
+
+
+class Nested(eqx.Module):
+    """Two groups of two stacked layers: leaves of shape (2, 2, ...), two scans."""
+
+    layers: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        keys = jax.random.split(k1, 4).reshape(2, 2)
+        self.layers = eqx.filter_vmap(eqx.filter_vmap(_linear))(keys)
+        self.head = eqx.nn.Linear(D, 2, dtype=F64, key=k2)
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.layers, eqx.is_array)
+
+        def inner(h, p):
+            return jnp.tanh(eqx.combine(p, static)(h)), None
+
+        def outer(h, group):
+            return jax.lax.scan(inner, h, group)[0], None
+
+        return self.head(jax.lax.scan(outer, x, params)[0])
+
+
+class Outputs(eqx.Module):
+    """A reversed scan whose per-step outputs (`ys`) all reach the loss."""
+
+    layers: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.layers = eqx.filter_vmap(_linear)(jax.random.split(k1, 3))
+        self.head = eqx.nn.Linear(3 * D, 2, dtype=F64, key=k2)
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.layers, eqx.is_array)
+
+        def body(h, p):
+            h = jnp.tanh(eqx.combine(p, static)(h))
+            return h, h
+
+        _, ys = jax.lax.scan(body, x, params, reverse=True)
+        return self.head(ys.ravel())
+
+
+class Recurrent(eqx.Module):
+    """One cell applied at every time step: its weights are scan constants."""
+
+    cell: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.cell = eqx.nn.Linear(2 * D, D, dtype=F64, key=k1)
+        self.head = eqx.nn.Linear(D, 2, dtype=F64, key=k2)
+
+    def __call__(self, xs):  # xs: (T, D)
+        def body(h, x):
+            return jnp.tanh(self.cell(jnp.concatenate([h, x]))), None
+
+        return self.head(jax.lax.scan(body, jnp.zeros(D, F64), xs)[0])
+
+
+class ConvStack(eqx.Module):
+    convs: eqx.nn.Conv2d
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        make = lambda k: eqx.nn.Conv2d(2, 2, 3, padding=1, dtype=F64, key=k)  # noqa: E731
+        self.convs = eqx.filter_vmap(make)(jax.random.split(k1, 2))
+        self.head = eqx.nn.Linear(2 * 4 * 4, 2, dtype=F64, key=k2)
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.convs, eqx.is_array)
+
+        def body(h, p):
+            return jnp.tanh(eqx.combine(p, static)(h)), None
+
+        return self.head(jax.lax.scan(body, x, params)[0].ravel())
+
+
+def ce(model, batch):
+    x, y = batch
+    return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
+
+
+def _data(shape, n=5, seed=1):
+    x = jax.random.normal(jax.random.key(seed), (n,) + shape, F64)
+    y = jax.random.randint(jax.random.key(seed + 1), (n,), 0, 2)
+    return x, y
+
+
+def _ggn(model, batch):
+    x, y = batch
+
+    def loss(out):
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(out), y[:, None], 1))
+
+    return dense_ggn(lambda m: jax.vmap(m)(x), loss, model)
+
+
+def _positions(model, paths_and_index):
+    """Rows of the ravelled parameters for `(leaf path, index)` pairs, in order."""
+    params = eqx.filter(model, eqx.is_inexact_array)
+    offsets, start = {}, 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        offsets[jax.tree_util.keystr(path)] = (start, leaf.shape)
+        start += leaf.size
+    out = []
+    for path, index in paths_and_index:
+        begin, shape = offsets[path]
+        out.append(begin + np.arange(np.prod(shape)).reshape(shape)[index].ravel())
+    return np.concatenate(out)
+
+
+def _layer_rows(model, name):
+    """Ravelled rows of a scan-step layer `layers[k]` (weight, then bias)."""
+    field, rest = name.split("[", 1)
+    index = tuple(int(k) for k in rest.rstrip("]").split("]["))
+    return _positions(model, [(f".{field}.weight", index), (f".{field}.bias", index)])
+
+
+CASES = {
+    "scanned": (lambda: Scanned(jax.random.key(0)), (D,)),
+    "nested": (lambda: Nested(jax.random.key(0)), (D,)),
+    "outputs": (lambda: Outputs(jax.random.key(0)), (D,)),
+    "conv": (lambda: ConvStack(jax.random.key(0)), (2, 4, 4)),
+}
+NAMES = {
+    "scanned": ["layers[0]", "layers[1]", "layers[2]", "head"],
+    "nested": ["layers[0][0]", "layers[0][1]", "layers[1][0]", "layers[1][1]", "head"],
+    "outputs": ["layers[0]", "layers[1]", "layers[2]", "head"],
+    "conv": ["convs[0]", "convs[1]", "head"],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_step_is_a_layer(case):
+    make, shape = CASES[case]
+    report = ef.find_layers(ce, make(), _data(shape))
+    assert [li.name for li in report.layers] == NAMES[case]
+    kinds = {li.kind for li in report.layers[:-1]}
+    assert kinds == ({"conv"} if case == "conv" else {"dense"})
+    assert report.unmatched == ()
+    first = report.layers[0]
+    suffix = first.name[first.name.index("[") :]
+    assert all(p.endswith(suffix) for p in first.param_paths)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_exact_structures_match_the_dense_ggn(case):
+    make, shape = CASES[case]
+    model, batch = make(), _data(shape)
+    ref = _ggn(model, batch)
+    dense = ef.curvature(ce, model, batch, estimator=ef.GGN(), structure=ef.Dense())
+    np.testing.assert_allclose(dense.as_matrix(), ref, atol=1e-12)
+    diag = ef.curvature(ce, model, batch, estimator=ef.GGN(), structure=ef.Diagonal())
+    np.testing.assert_allclose(diag.as_matrix(), np.diag(np.diag(ref)), atol=1e-12)
+    blocks = ef.curvature(
+        ce, model, batch, estimator=ef.GGN(), structure=ef.BlockDiagonal()
+    )
+    got = np.asarray(blocks.as_matrix())
+    mask = np.zeros_like(got, bool)
+    for name in NAMES[case][:-1]:
+        rows = _layer_rows(model, name)
+        np.testing.assert_allclose(
+            np.asarray(blocks.blocks[name].as_matrix()),
+            ref[np.ix_(rows, rows)],
+            atol=1e-12,
+        )
+        mask[np.ix_(rows, rows)] = True
+    rows = _positions(model, [(".head.weight", ()), (".head.bias", ())])
+    mask[np.ix_(rows, rows)] = True
+    np.testing.assert_allclose(got, np.where(mask, ref, 0.0), atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["scanned", "nested"])
+def test_kfac_is_exact_per_step_for_one_example(case):
+    make, shape = CASES[case]
+    model, batch = make(), _data(shape, n=1)
+    ref = _ggn(model, batch)
+    for structure in (ef.KFAC(), ef.EKFAC()):
+        curv = ef.curvature(ce, model, batch, estimator=ef.GGN(), structure=structure)
+        for name in NAMES[case][:-1]:
+            rows = _layer_rows(model, name)
+            np.testing.assert_allclose(
+                np.asarray(curv.blocks[name].as_matrix()),
+                ref[np.ix_(rows, rows)],
+                atol=1e-12,
+            )
+
+
+def test_operator_methods_on_slices():
+    model, batch = Scanned(jax.random.key(0)), _data((D,))
+    curv = ef.curvature(ce, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+    params = eqx.filter(model, eqx.is_inexact_array)
+    flat, unravel = jax.flatten_util.ravel_pytree(params)
+    v = jax.random.normal(jax.random.key(3), flat.shape, F64)
+    mat = np.asarray(curv.as_matrix())
+    mv = jax.flatten_util.ravel_pytree(curv.mv(unravel(v)))[0]
+    np.testing.assert_allclose(mv, mat @ v, atol=1e-12)
+    x = jax.flatten_util.ravel_pytree(curv.solve(unravel(mat @ v + 0.1 * v), 0.1))[0]
+    np.testing.assert_allclose(x, v, rtol=1e-8)
+    diag = jax.flatten_util.ravel_pytree(curv.diagonal())[0]
+    np.testing.assert_allclose(diag, np.diag(mat), atol=1e-12)
+    sign, logdet = np.linalg.slogdet(mat + 0.1 * np.eye(len(v)))
+    np.testing.assert_allclose(curv.logdet(0.1), logdet, rtol=1e-10)
+
+
+def test_where_selects_the_stacked_leaves():
+    model, batch = Scanned(jax.random.key(0)), _data((D,))
+    where = ef.filters.by_path("layers.*")
+    curv = ef.curvature(
+        ce, model, batch, estimator=ef.GGN(), structure=ef.KFAC(), where=where
+    )
+    assert sorted(curv.blocks) == ["layers[0]", "layers[1]", "layers[2]"]
+    full = ef.curvature(ce, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+    n = 3 * D * D + 3 * D
+    np.testing.assert_allclose(
+        curv.as_matrix(), np.asarray(full.as_matrix())[:n, :n], atol=1e-12
+    )
+
+
+def test_shared_cell_is_one_layer_used_at_every_step():
+    model = Recurrent(jax.random.key(0))
+    batch = _data((3, D))
+    report = ef.find_layers(ce, model, batch)
+    assert [(li.name, li.uses) for li in report.layers] == [("cell", 3), ("head", 1)]
+    ref = _ggn(model, batch)
+    for structure in (ef.Dense(), ef.Diagonal()):
+        curv = ef.curvature(ce, model, batch, estimator=ef.GGN(), structure=structure)
+        expected = ref if isinstance(structure, ef.Dense) else np.diag(np.diag(ref))
+        np.testing.assert_allclose(curv.as_matrix(), expected, atol=1e-12)
+
+
+def test_long_scans_are_not_unrolled(monkeypatch):
+    monkeypatch.setattr(ef._program, "MAX_UNROLL", 2)
+    model, batch = Scanned(jax.random.key(0)), _data((D,))
+    report = ef.find_layers(ce, model, batch)
+    assert [li.name for li in report.layers] == ["head"]
+    assert report.unmatched == (".layers.weight", ".layers.bias")
+    assert all("not unrolled" in r for r in report.reasons)
+    ref = _ggn(model, batch)
+    curv = ef.curvature(ce, model, batch, estimator=ef.GGN(), structure=ef.Dense())
+    np.testing.assert_allclose(curv.as_matrix(), ref, atol=1e-12)
+
+
+def test_stacked_leaf_also_read_outside_the_scan():
+    class Leaky(Scanned):
+        def __call__(self, x):
+            return super().__call__(x) + jnp.sum(self.layers.bias)
+
+    model, batch = Leaky(jax.random.key(0)), _data((D,))
+    report = ef.find_layers(ce, model, batch)
+    assert [li.name for li in report.layers] == ["head"]
+    assert report.unmatched == tuple(
+        f".layers.{leaf}[{k}]" for leaf in ("weight", "bias") for k in range(3)
+    )
+    assert any("outside the scan" in r for r in report.reasons)
+    ref = _ggn(model, batch)
+    curv = ef.curvature(ce, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+    n = 3 * D * D + 3 * D
+    np.testing.assert_allclose(
+        np.asarray(curv.as_matrix())[:n, :n], np.diag(np.diag(ref)[:n]), atol=1e-12
+    )
+
+
+def test_value_grad_and_curvature_and_kfac_training():
+    model, batch = Scanned(jax.random.key(0)), _data((D,), n=32)
+    fn = ef.value_grad_and_curvature(ce, estimator=ef.GGN(), structure=ef.KFAC())
+    loss, grads, curv = fn(model, batch)
+    ref_loss, ref_grads = eqx.filter_value_and_grad(ce)(model, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-12)
+    assert tree_allclose(grads, ref_grads)
+    assert len(curv.blocks) == 4
+
+    opt = ef.optim.kfac(0.2, damping=1e-2, inverse_every=1)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    state = opt.init(params)
+
+    @eqx.filter_jit
+    def step(model, state):
+        loss, grads, curv = fn(model, batch)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        updates, state = opt.update(grads, state, params, curvature=curv)
+        return eqx.apply_updates(model, updates), state, loss
+
+    for _ in range(15):
+        model, state, loss = step(model, state)
+    assert float(ce(model, batch)) < 0.5 * float(ref_loss)
