@@ -1,6 +1,7 @@
 """Curvature statistics: K-FAC factors from one forward and a stacked VJP, and
 exact per-example parameter vectors for the structures that need them."""
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -55,6 +56,11 @@ def output_matrix(record: LayerRecord, g: Array) -> Array:
     return g.reshape(g.shape[:lead] + (-1, record.d_out)).astype(stat_dtype(g.dtype))
 
 
+# A conv layer whose patch matrix would hold more elements than this forms it for a
+# chunk of examples at a time (`_chunked_patches`).
+MAX_PATCH_ELEMENTS = 2**20
+
+
 def kronecker_factors(
     record: LayerRecord,
     x: Array,
@@ -81,16 +87,66 @@ def kronecker_factors(
         ids = input_matrix(record, x, False)
         counts = jnp.zeros((record.d_in,), dtype).at[ids].add(1)
         return jnp.diag(counts / ids.shape[0]), g, ids.shape[0]
-    a = input_matrix(record, x, False)
-    if reduce_examples is not None:
-        a = a.reshape(reduce_examples, -1, a.shape[-1]).mean(1)
-    n = a.shape[0]
-    aa = a.T @ a
+    if _patches_too_large(record):
+        aa, s, n = _chunked_patches(record, x, reduce_examples)
+    else:
+        a = input_matrix(record, x, False)
+        if reduce_examples is not None:
+            a = a.reshape(reduce_examples, -1, a.shape[-1]).mean(1)
+        n, aa, s = a.shape[0], a.T @ a, jnp.sum(a, axis=0)
     if with_bias:
         # [a; 1] blocks, without copying `a` into a wider matrix.
-        s = jnp.sum(a, axis=0)
-        aa = jnp.block([[aa, s[:, None]], [s[None, :], jnp.full((1, 1), n, a.dtype)]])
+        aa = jnp.block([[aa, s[:, None]], [s[None, :], jnp.full((1, 1), n, aa.dtype)]])
     return (aa / n).astype(dtype), g, n
+
+
+def _patch_elements(record: LayerRecord) -> int:
+    """Elements of one example's patch matrix (its locations × d_in)."""
+    out = record.core.eqn.outvars[0].aval.shape
+    batch = out[record.core.params["dimension_numbers"].out_spec[0]]
+    return math.prod(out) // record.d_out // batch * record.d_in
+
+
+def _patches_too_large(record: LayerRecord) -> bool:
+    if record.kind != "conv":
+        return False
+    out = record.core.eqn.outvars[0].aval.shape
+    batch = out[record.core.params["dimension_numbers"].out_spec[0]]
+    return batch * _patch_elements(record) > MAX_PATCH_ELEMENTS
+
+
+def _chunked_patches(
+    record: LayerRecord, x: Array, reduce_examples: int | None
+) -> tuple[Array, Array, int]:
+    """`(Σ a aᵀ, Σ a, rows)` over a conv layer's patch rows `a`, forming the patch
+    matrix for a chunk of examples at a time (a `lax.scan`), so that memory stays
+    near `MAX_PATCH_ELEMENTS` however large the batch. With `reduce_examples`, the
+    rows are each example's mean patch.
+
+    Examples are the conv's batch axis; the last chunk is padded with zero
+    examples, whose patches are zero.
+    """
+    axis = record.core.params["dimension_numbers"].lhs_spec[0]
+    x = jnp.moveaxis(x, axis, 0)
+    n = x.shape[0]
+    chunk = max(1, min(n, MAX_PATCH_ELEMENTS // _patch_elements(record)))
+    chunks = -(-n // chunk)
+    x = jnp.pad(x, [(0, chunks * chunk - n)] + [(0, 0)] * (x.ndim - 1))
+    xs = x.reshape((chunks, chunk) + x.shape[1:])
+    d = record.d_in
+    dtype = stat_dtype(x.dtype)
+
+    def body(carry, xc):
+        a = input_matrix(record, jnp.moveaxis(xc, 0, axis), False)
+        if reduce_examples is not None:
+            a = a.reshape(chunk, -1, d).mean(1)
+        aa, s = carry
+        return (aa + a.T @ a, s + jnp.sum(a, axis=0)), None
+
+    init = (jnp.zeros((d, d), dtype), jnp.zeros((d,), dtype))
+    (aa, s), _ = jax.lax.scan(body, init, xs)
+    rows = n if reduce_examples is not None else n * _patch_elements(record) // d
+    return aa, s, rows
 
 
 def example_axis_size(record: LayerRecord) -> int:
