@@ -10,6 +10,7 @@ one Adam step at a time, over `--steps` steps (a multiple of `inverse_every`, so
 the eigendecomposition refreshes are counted at their real rate).
 
     python benchmarks/kfac_step_time.py [--steps 50] [--breakdown]
+        [--damping-mode exact|factored]
 
 On a shared machine run with `OPENBLAS_NUM_THREADS=1`: jax's CPU `eigh` calls
 scipy's OpenBLAS LAPACK, whose threads, under load, made a 512x512 `eigh` ~10x
@@ -47,6 +48,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument(
+        "--damping-mode", choices=("exact", "factored"), default="exact"
+    )
     args = parser.parse_args()
     if args.steps % INVERSE_EVERY:
         parser.error(f"--steps must be a multiple of {INVERSE_EVERY}")
@@ -61,7 +65,12 @@ def main() -> None:
         loss_fn, estimator=ef.FisherMC(samples=1), structure=ef.KFAC()
     )
     kfac = ef.optim.kfac(
-        1e-2, damping=1e-3, momentum=0.9, decay=0.95, inverse_every=INVERSE_EVERY
+        1e-2,
+        damping=1e-3,
+        momentum=0.9,
+        decay=0.95,
+        inverse_every=INVERSE_EVERY,
+        damping_mode=args.damping_mode,
     )
     adam = optax.adam(1e-3)
 

@@ -40,7 +40,9 @@ def loss_fn(model, batch):
     return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
 
 
-def make_runner(kind: str, x_all, y_all, static, inverse_every: int = 10):
+def make_runner(
+    kind: str, x_all, y_all, static, inverse_every: int = 10, damping_mode="exact"
+):
     """Returns `first(params, idx, key, hp)` and `chunk(params, state, idx, key, hp)`.
 
     `hp` is `(learning_rate, damping)` as arrays; `idx` holds minibatch indices.
@@ -71,6 +73,7 @@ def make_runner(kind: str, x_all, y_all, static, inverse_every: int = 10):
                 momentum=0.9,
                 decay=0.95,
                 inverse_every=inverse_every,
+                damping_mode=damping_mode,
             )
 
         def step(params, state, idx, key, hp):
@@ -127,6 +130,9 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.05)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--inverse-every", type=int, default=10, help="K-FAC's")
+    parser.add_argument(
+        "--damping-mode", choices=("exact", "factored"), default="exact", help="K-FAC's"
+    )
     args = parser.parse_args()
 
     digits = load_digits()
@@ -160,7 +166,9 @@ def main() -> None:
 
     rows = []
     for kind, grid in grids.items():
-        first, chunk = make_runner(kind, x_all, y_all, static, args.inverse_every)
+        first, chunk = make_runner(
+            kind, x_all, y_all, static, args.inverse_every, args.damping_mode
+        )
         hp0 = jnp.asarray(grid[0], jnp.float32)
         # Compile both functions (traced hyperparameters: once for the whole grid).
         p, s = first(params, indices[0], keys[0], hp0)
@@ -188,7 +196,8 @@ def main() -> None:
     print(
         f"target: full-data training loss <= {args.target}, max {max_steps} steps, "
         f"batch {args.batch}, evaluated every {EVAL_EVERY} steps, "
-        f"K-FAC momentum 0.9, decay 0.95, inverse_every {args.inverse_every}"
+        f"K-FAC momentum 0.9, decay 0.95, inverse_every {args.inverse_every}, "
+        f"damping_mode {args.damping_mode}"
     )
     print(
         f"{'optimizer':10s} {'lr':>7s} {'damping':>8s} {'steps':>6s} {'seconds':>8s} {'ms/step':>8s}"

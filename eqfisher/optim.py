@@ -12,7 +12,7 @@ The first `update` fills the curvature slots of the state, so a jitted step trac
 twice (steps 1 and 2) and never again.
 """
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +34,10 @@ class KFACState(NamedTuple):
     - `curvature_count`: finite curvature estimates folded into the average.
     - `curvature`: the bias-corrected moving average of the curvature (or None
       before the first update).
-    - `inverse`: the curvature whose factor eigendecompositions precondition the
-      gradient, refreshed every `inverse_every` updates.
+    - `inverse`: what preconditions the gradient, refreshed every `inverse_every`
+      updates: the average with its factor eigendecompositions (damping mode
+      "exact"), or with each K-FAC block replaced by its π-damped inverse, itself a
+      Kronecker block ("factored").
     - `nonfinite_count`: curvature estimates rejected for holding NaN or inf.
     """
 
@@ -63,12 +65,50 @@ def _check(name: str, value: Any, low: float, high: float | None, closed: bool) 
         )
 
 
-def _precompute(curv: Curvature) -> Curvature:
-    blocks = {
-        k: (b.precompute() if isinstance(b, KroneckerFactored) else b)
-        for k, b in curv.blocks.items()
-    }
+DampingMode = Literal["exact", "factored"]
+
+
+def _factored_inverse(block: KroneckerFactored, lam) -> KroneckerFactored:
+    """(G + (√λ/π)·I)⁻¹ ⊗ (A + π√λ·I)⁻¹ as a Kronecker block: its `mv` is the
+    π-damped solve (`KroneckerFactored.solve_factored`), two products per step."""
+    d_a, d_g = block.a.shape[0], block.g.shape[0]
+    pi = jnp.sqrt((jnp.trace(block.a) / d_a) / (jnp.trace(block.g) / d_g))
+    # A zero factor (a layer that never saw data) gives π = 0 or ∞; fall back to 1.
+    pi = jnp.where(jnp.isfinite(pi) & (pi > 0), pi, 1.0).astype(block.a.dtype)
+    root = jnp.sqrt(jnp.asarray(lam, block.a.dtype))
+
+    def inv(m, shift):
+        chol = jax.scipy.linalg.cho_factor(
+            m + shift * jnp.eye(m.shape[0], dtype=m.dtype)
+        )
+        return jax.scipy.linalg.cho_solve(chol, jnp.eye(m.shape[0], dtype=m.dtype))
+
+    return KroneckerFactored(
+        inv(block.a, pi * root),
+        inv(block.g, root / pi),
+        weight_perm=block.weight_perm,
+        structure=block.structure,
+    )
+
+
+def _precompute(curv: Curvature, lam, mode: DampingMode) -> Curvature:
+    """What the preconditioner caches between refreshes: factor eigendecompositions
+    ("exact"), or the damped factors' inverses ("factored")."""
+    blocks = {}
+    for k, b in curv.blocks.items():
+        if isinstance(b, KroneckerFactored):
+            b = b.precompute() if mode == "exact" else _factored_inverse(b, lam)
+        blocks[k] = b
     return Curvature(blocks, curv.leaf_indices, curv.structure, curv.leaf_slices)
+
+
+def _apply_inverse(inverse: Curvature, updates, lam, mode: DampingMode):
+    def fn(block, v):
+        if mode == "factored" and isinstance(block, KroneckerFactored):
+            return block.mv(v)  # the cached inverse
+        return block.solve(v, lam)
+
+    return inverse._map(updates, fn, "solve")
 
 
 def _all_finite(tree: PyTree) -> Array:
@@ -76,7 +116,9 @@ def _all_finite(tree: PyTree) -> Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
-def _precondition(updates, state: KFACState, curvature, lam, decay, inverse_every):
+def _precondition(
+    updates, state: KFACState, curvature, lam, decay, inverse_every, mode="exact"
+):
     """Folds `curvature` into the average and returns (C + λI)⁻¹ updates."""
     if not isinstance(curvature, Curvature):
         raise ValueError(
@@ -89,7 +131,7 @@ def _precondition(updates, state: KFACState, curvature, lam, decay, inverse_ever
         avg = jax.tree_util.tree_map(
             lambda x: jnp.where(finite, x, jnp.zeros_like(x)), curvature
         )
-        inverse = _precompute(avg)
+        inverse = _precompute(avg, lam, mode)
         n_good = finite.astype(jnp.int32)
     else:
         n_good = state.curvature_count + finite.astype(jnp.int32)
@@ -104,9 +146,11 @@ def _precondition(updates, state: KFACState, curvature, lam, decay, inverse_ever
         # Early estimates change fast: refresh at every step until the average
         # has seen `inverse_every` batches, then every `inverse_every` steps.
         refresh = (state.count < inverse_every) | (state.count % inverse_every == 0)
-        inverse = jax.lax.cond(refresh, lambda: _precompute(avg), lambda: state.inverse)
+        inverse = jax.lax.cond(
+            refresh, lambda: _precompute(avg, lam, mode), lambda: state.inverse
+        )
     try:
-        direction = inverse.solve(updates, lam)
+        direction = _apply_inverse(inverse, updates, lam, mode)
     except ValueError as e:
         raise ValueError(
             "`kfac_preconditioner.update`: the gradients and the curvature cover "
@@ -133,6 +177,7 @@ def kfac_preconditioner(
     damping: ScalarOrSchedule,
     decay: float = 0.95,
     inverse_every: int = 10,
+    damping_mode: DampingMode = "exact",
 ) -> optax.GradientTransformationExtraArgs:
     """Preconditions gradients by a damped, averaged curvature: (C + λI)⁻¹ g.
 
@@ -140,9 +185,16 @@ def kfac_preconditioner(
 
     - `damping`: λ > 0, a float or an optax schedule of the step count.
     - `decay`: the moving-average weight of old curvature, in [0, 1).
-    - `inverse_every`: refresh the factor eigendecompositions every this many steps
-      (inside jit; no recompilation), and at every one of the first
-      `inverse_every` steps, while the average is young.
+    - `inverse_every`: refresh the cached inverses every this many steps (inside
+      jit; no recompilation), and at every one of the first `inverse_every` steps,
+      while the average is young.
+    - `damping_mode`: how K-FAC blocks are damped. `"exact"`: (G ⊗ A + λI)⁻¹,
+      through cached factor eigendecompositions (four products per layer and step;
+      a damping schedule acts at every step). `"factored"`: Martens & Grosse's
+      π-damped (G + (√λ/π)I)⁻¹ ⊗ (A + π√λ I)⁻¹, kfac_jax's default, with the two
+      inverses cached (Cholesky, cheaper than `eigh`; two products per step; the
+      damping in force at a refresh is used until the next). Other blocks are
+      always solved exactly.
 
     **Returns:**
 
@@ -159,6 +211,11 @@ def kfac_preconditioner(
             "`eqfisher.optim.kfac_preconditioner(..., inverse_every=...)`: must be a "
             f"positive int, got {inverse_every!r}."
         )
+    if damping_mode not in ("exact", "factored"):
+        raise ValueError(
+            "`eqfisher.optim.kfac_preconditioner(..., damping_mode=...)`: must be "
+            f'"exact" or "factored", got {damping_mode!r}.'
+        )
 
     def init(params):
         del params
@@ -168,7 +225,9 @@ def kfac_preconditioner(
     def update(updates, state, params=None, *, curvature=None, **extra):
         del params, extra
         lam = _value(damping, state.count)
-        return _precondition(updates, state, curvature, lam, decay, inverse_every)
+        return _precondition(
+            updates, state, curvature, lam, decay, inverse_every, damping_mode
+        )
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -181,13 +240,15 @@ def kfac(
     decay: float = 0.95,
     inverse_every: int = 10,
     weight_decay: float = 0.0,
+    damping_mode: DampingMode = "exact",
 ) -> optax.GradientTransformationExtraArgs:
     """K-FAC, ready to use: preconditioner, weight decay, momentum, learning rate.
 
     **Arguments:**
 
     - `learning_rate`: a float or an optax schedule.
-    - `damping`, `decay`, `inverse_every`: see `kfac_preconditioner`.
+    - `damping`, `decay`, `inverse_every`, `damping_mode`: see
+      `kfac_preconditioner`.
     - `momentum`: heavy-ball momentum on the preconditioned direction (0 for none).
     - `weight_decay`: added to the preconditioned direction, decoupled as in AdamW.
 
@@ -198,7 +259,12 @@ def kfac(
     `opt.update(grads, state, params, curvature=curv)`.
     """
     parts = [
-        kfac_preconditioner(damping=damping, decay=decay, inverse_every=inverse_every)
+        kfac_preconditioner(
+            damping=damping,
+            decay=decay,
+            inverse_every=inverse_every,
+            damping_mode=damping_mode,
+        )
     ]
     if weight_decay:
         parts.append(optax.add_decayed_weights(weight_decay))

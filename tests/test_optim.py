@@ -52,6 +52,44 @@ def test_first_update_is_damped_natural_gradient():
     assert int(state.count) == 1 and int(state.nonfinite_count) == 0
 
 
+def test_factored_damping_is_the_pi_damped_solve():
+    model, batch = _problem()
+    params = eqx.filter(model, eqx.is_inexact_array)
+    _, grads, curv = VGC(model, batch)
+    opt = optim.kfac_preconditioner(damping=0.1, damping_mode="factored")
+    direction, state = opt.update(grads, opt.init(params), params, curvature=curv)
+    leaves = jax.tree_util.tree_leaves(grads)
+    got = jax.tree_util.tree_leaves(direction)
+    for name, idx in curv.leaf_indices:
+        block = curv.blocks[name]
+        expected = block.solve_factored(tuple(leaves[i] for i in idx), 0.1)
+        for i, e in zip(idx, expected):
+            np.testing.assert_allclose(got[i], e, rtol=1e-9, atol=1e-12)
+    # Between refreshes the cached inverses are reused: with inverse_every=3, the
+    # direction of step 5 uses the inverse of the average at step 4.
+    opt = optim.kfac_preconditioner(
+        damping=0.1, damping_mode="factored", inverse_every=3
+    )
+    state = opt.init(params)
+    for _ in range(4):
+        _, state = opt.update(grads, state, params, curvature=curv)
+    name = "layers[0]"
+    cached = state.inverse.blocks[name].a
+    _, new_state = opt.update(grads, state, params, curvature=curv)
+    np.testing.assert_array_equal(new_state.inverse.blocks[name].a, cached)
+
+
+def test_factored_damping_trains():
+    model, batch = _problem()
+    opt = optim.kfac(0.2, damping=1e-2, damping_mode="factored", inverse_every=3)
+    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    step = _step(opt)
+    first = float(loss_fn(model, batch))
+    for _ in range(30):
+        model, state, _ = step(model, state, batch)
+    assert float(loss_fn(model, batch)) < 0.5 * first
+
+
 def test_average_is_bias_corrected_mean_of_factors():
     model, batch = _problem()
     opt = optim.kfac_preconditioner(damping=0.1, decay=0.5)
@@ -158,6 +196,13 @@ def test_composes_with_optax_chain_clip_and_mask():
 def test_bad_hyperparameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
         optim.kfac_preconditioner(**kwargs)
+
+
+def test_bad_damping_mode():
+    # The runtime type check (a TypeError) or eqfisher's own ValueError, both
+    # naming the argument.
+    with pytest.raises((TypeError, ValueError), match="damping_mode"):
+        optim.kfac_preconditioner(damping=1e-3, damping_mode="pi")
 
 
 def test_update_without_curvature():
