@@ -94,10 +94,11 @@ def kronecker_factors(
         if reduce_examples is not None:
             a = a.reshape(reduce_examples, -1, a.shape[-1]).mean(1)
         n, aa, s = a.shape[0], a.T @ a, jnp.sum(a, axis=0)
+    aa, s = (aa / n).astype(dtype), (s / n).astype(dtype)
     if with_bias:
         # [a; 1] blocks, without copying `a` into a wider matrix.
-        aa = jnp.block([[aa, s[:, None]], [s[None, :], jnp.full((1, 1), n, aa.dtype)]])
-    return (aa / n).astype(dtype), g, n
+        aa = jnp.block([[aa, s[:, None]], [s[None, :], jnp.ones((1, 1), dtype)]])
+    return aa, g, n
 
 
 def _patch_elements(record: LayerRecord) -> int:
@@ -165,18 +166,31 @@ def layer_outputs_vjp(
 ):
     """One forward with zero perturbations on the layers' outputs, and its VJP.
 
-    Returns `(outputs, vjp_fn, (losses, layer_inputs))` where `outputs` is
-    `(program outputs, tag inputs)` when `full`, else the tag inputs alone.
+    Returns `(outputs, vjp_fn, (losses, layer_inputs), grad_fn)`: `outputs` are the
+    registered losses' inputs and `vjp_fn` pulls cotangents of them back. When
+    `full`, `outputs` is `(program outputs, loss inputs)` and `grad_fn` pulls back
+    cotangents of the program outputs (else it is None). The two VJPs trace the
+    forward separately (XLA merges the duplicate), so that pulling back the
+    curvature vectors never transposes the loss computation after the tags.
     """
     points = list({id(r.outputs): r.outputs for r in layers}.values())
 
     def forward(p_leaves, perturb):
-        ev = processed.run(list(p_leaves) + s.others + s.batch, perturb, full=full)
+        ev = processed.run(list(p_leaves) + s.others + s.batch, perturb)
         tag_inputs = tuple(t[0] for t in ev.tags)
         aux = (processed.losses(ev), tuple(ev.read(r.inputs) for r in layers))
-        return ((ev.outputs, tag_inputs) if full else tag_inputs), aux
+        return tag_inputs, aux
 
-    return jax.vjp(forward, s.params, VarMap.zeros(points), has_aux=True)
+    zero = VarMap.zeros(points)
+    tags, vjp, aux = jax.vjp(forward, s.params, zero, has_aux=True)
+    if not full:
+        return tags, vjp, aux, None
+
+    def program(p_leaves):
+        return processed.run(list(p_leaves) + s.others + s.batch, full=True).outputs
+
+    outputs, grad_vjp = jax.vjp(program, s.params)
+    return (outputs, tags), vjp, aux, grad_vjp
 
 
 def per_example_vectors(

@@ -187,23 +187,17 @@ class _Builder(eqx.Module):
         grouping = groups(self.structure, processed, selected, self.caller)
         kron = [g for g in grouping if g.kronecker]
         records = [r for g in kron for r in g.records]
-        outputs, vjp, (losses, inputs) = stats.layer_outputs_vjp(
+        outputs, vjp, (losses, inputs), grad_vjp = stats.layer_outputs_vjp(
             processed, s, records, full=full
         )
         vectors = stacked_vectors(self.estimator, losses, key)
-        k = vectors[0].shape[0]
         grads = None
         if full:
-            # The gradient and the curvature vectors are pulled back by separate
-            # calls of the same VJP: batching them would also compute K unused
-            # weight gradients, which XLA cannot remove from a batched product.
-            zero_tags = tuple(jnp.zeros_like(v[0]) for v in vectors)
-            grads = vjp((cotangent_fn(outputs[0]), zero_tags))[0]
-            zero_out = tuple(_zeros(c, k) for c in cotangent_fn(outputs[0]))
-            cts = (zero_out, vectors)
-        else:
-            cts = vectors
-        _, point_ct = jax.vmap(vjp)(cts)
+            # The gradient and the curvature vectors are pulled back separately:
+            # batching them would also compute K unused weight gradients, which
+            # XLA cannot remove from a batched product.
+            (grads,) = grad_vjp(cotangent_fn(outputs[0]))
+        _, point_ct = jax.vmap(vjp)(vectors)
         params = eqx.filter(model, eqx.is_inexact_array)
         need_examples = [g for g in grouping if g.needs_examples]
         rows = {}
@@ -247,13 +241,6 @@ class _Builder(eqx.Module):
         else:
             curv = Curvature(blocks, tuple(indices), structure)
         return curv, outputs, grads, s
-
-
-def _zeros(c, k: int):
-    """k zero cotangents shaped like `c`, stacked on a new leading axis."""
-    if c.dtype == jax.dtypes.float0:
-        return np.zeros((k,) + c.shape, c.dtype)
-    return jnp.zeros((k,) + c.shape, c.dtype)
 
 
 def _reduce_examples(structure, g: Group, n: int, caller: str) -> int | None:

@@ -81,14 +81,16 @@ class FisherMC(AbstractEstimator):
             )
 
     def output_vectors(self, loss, key):
-        keys = jax.random.split(key, self.samples)
         inputs = jax.lax.stop_gradient(loss.inputs)
 
         def one(k):
             targets = loss.family.sample(k, inputs)
             return loss.family.output_gradient(inputs, targets)
 
-        grads = jax.vmap(one)(keys)
+        if self.samples == 1:
+            grads = one(key)[None]
+        else:
+            grads = jax.vmap(one)(jax.random.split(key, self.samples))
         scale = jnp.sqrt(jnp.asarray(1.0 / self.samples, inputs.dtype))
         return grads * _sqrt_weights(loss)[None] * scale
 
@@ -113,15 +115,16 @@ def stacked_vectors(
     Column blocks belong to one loss each and are zero for the others, so a single
     batched VJP over K pulls back every loss's vectors at once.
     """
-    keys = (
-        [None] * len(losses)
-        if key is None
-        else list(jax.random.split(key, len(losses)))
-    )
+    if key is None or len(losses) == 1:
+        keys = [key] * len(losses)
+    else:
+        keys = list(jax.random.split(key, len(losses)))
     per_loss = [
         jax.lax.stop_gradient(estimator.output_vectors(loss, k))
         for loss, k in zip(losses, keys)
     ]
+    if len(per_loss) == 1:
+        return tuple(per_loss)
     total = sum(v.shape[0] for v in per_loss)
     out, start = [], 0
     for v in per_loss:
