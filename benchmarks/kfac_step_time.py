@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--breakdown", action="store_true")
     parser.add_argument(
-        "--damping-mode", choices=("exact", "factored"), default="exact"
+        "--damping-mode", choices=("exact", "factored"), default="factored"
     )
     args = parser.parse_args()
     if args.steps % INVERSE_EVERY:

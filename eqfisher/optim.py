@@ -177,7 +177,7 @@ def kfac_preconditioner(
     damping: ScalarOrSchedule,
     decay: float = 0.95,
     inverse_every: int = 10,
-    damping_mode: DampingMode = "exact",
+    damping_mode: DampingMode = "factored",
 ) -> optax.GradientTransformationExtraArgs:
     """Preconditions gradients by a damped, averaged curvature: (C + λI)⁻¹ g.
 
@@ -188,13 +188,13 @@ def kfac_preconditioner(
     - `inverse_every`: refresh the cached inverses every this many steps (inside
       jit; no recompilation), and at every one of the first `inverse_every` steps,
       while the average is young.
-    - `damping_mode`: how K-FAC blocks are damped. `"exact"`: (G ⊗ A + λI)⁻¹,
-      through cached factor eigendecompositions (four products per layer and step;
-      a damping schedule acts at every step). `"factored"`: Martens & Grosse's
-      π-damped (G + (√λ/π)I)⁻¹ ⊗ (A + π√λ I)⁻¹, kfac_jax's default, with the two
-      inverses cached (Cholesky, cheaper than `eigh`; two products per step; the
-      damping in force at a refresh is used until the next). Other blocks are
-      always solved exactly.
+    - `damping_mode`: how K-FAC blocks are damped. `"factored"` (default, as in
+      kfac_jax): Martens & Grosse's π-damped (G + (√λ/π)I)⁻¹ ⊗ (A + π√λ I)⁻¹,
+      with the two inverses cached (Cholesky, cheaper than `eigh`; two products
+      per layer and step; the damping in force at a refresh is used until the
+      next). `"exact"`: (G ⊗ A + λI)⁻¹, through cached factor eigendecompositions
+      (four products per layer and step; a damping schedule acts at every step).
+      Other blocks are always solved exactly.
 
     **Returns:**
 
@@ -240,7 +240,7 @@ def kfac(
     decay: float = 0.95,
     inverse_every: int = 10,
     weight_decay: float = 0.0,
-    damping_mode: DampingMode = "exact",
+    damping_mode: DampingMode = "factored",
 ) -> optax.GradientTransformationExtraArgs:
     """K-FAC, ready to use: preconditioner, weight decay, momentum, learning rate.
 

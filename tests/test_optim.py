@@ -39,7 +39,7 @@ def _step(opt):
 
 def test_first_update_is_damped_natural_gradient():
     model, batch = _problem()
-    opt = optim.kfac_preconditioner(damping=0.1)
+    opt = optim.kfac_preconditioner(damping=0.1, damping_mode="exact")
     params = eqx.filter(model, eqx.is_inexact_array)
     _, grads, curv = VGC(model, batch)
     direction, state = opt.update(grads, opt.init(params), params, curvature=curv)
@@ -56,7 +56,7 @@ def test_factored_damping_is_the_pi_damped_solve():
     model, batch = _problem()
     params = eqx.filter(model, eqx.is_inexact_array)
     _, grads, curv = VGC(model, batch)
-    opt = optim.kfac_preconditioner(damping=0.1, damping_mode="factored")
+    opt = optim.kfac_preconditioner(damping=0.1)  # "factored" is the default
     direction, state = opt.update(grads, opt.init(params), params, curvature=curv)
     leaves = jax.tree_util.tree_leaves(grads)
     got = jax.tree_util.tree_leaves(direction)
@@ -270,7 +270,7 @@ def test_kfac_on_a_where_subset_inside_optax_masked():
         loss_fn, estimator=ef.GGN(), structure=ef.KFAC(), where=where
     )
     opt = optax.chain(
-        optax.masked(optim.kfac(0.05), mask),
+        optax.masked(optim.kfac(0.05, damping_mode="exact"), mask),
         optax.masked(optax.sgd(0.1), jax.tree_util.tree_map(lambda m: not m, mask)),
     )
     params = eqx.filter(model, eqx.is_inexact_array)
