@@ -173,6 +173,7 @@ def flatten(jaxpr, consts: Sequence[Any], num_params: int) -> Program:
     origin: dict[int, tuple[int, tuple[int, ...]]] = {
         id(v): (i, ()) for i, v in enumerate(invars[:num_params])
     }
+    seen: set[tuple[int, tuple[int, ...]]] = set()  # the (leaf, index) of every unit
 
     def walk(jaxpr, scope: dict[int, Atom]) -> list[Atom]:
         def atom(v) -> Atom:
@@ -227,8 +228,15 @@ def flatten(jaxpr, consts: Sequence[Any], num_params: int) -> Program:
     def step_slice(a: Atom, step: int) -> Atom:
         start = len(nodes)
         (out,) = call(lambda x: jax.lax.index_in_dim(x, step, keepdims=False), [a])
-        if id(a) in origin and isinstance(out, PVar):
+        # A slice already cut by another scan is no new unit: the detector then
+        # sees its stacked leaf read outside the first scan and says so.
+        if (
+            id(a) in origin
+            and isinstance(out, PVar)
+            and (origin[id(a)][0], origin[id(a)][1] + (step,)) not in seen
+        ):
             leaf, index = origin[id(a)]
+            seen.add((leaf, index + (step,)))
             origin[id(out)] = (leaf, index + (step,))
             units.append(Unit(out, leaf, index + (step,), a, tuple(nodes[start:])))
             param_like.add(id(out))

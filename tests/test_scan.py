@@ -306,6 +306,35 @@ def test_stacked_leaf_also_read_outside_the_scan():
     )
 
 
+def test_stacked_leaves_scanned_twice():
+    class Twice(Scanned):
+        def __call__(self, x):
+            params, static = eqx.partition(self.layers, eqx.is_array)
+
+            def body(h, p):
+                return jnp.tanh(eqx.combine(p, static)(h)), None
+
+            h = jax.lax.scan(body, x, params)[0]
+            return self.head(jax.lax.scan(body, h, params)[0])
+
+    model, batch = Twice(jax.random.key(0)), _data((D,))
+    report = ef.find_layers(ce, model, batch)
+    assert [li.name for li in report.layers] == ["head"]
+    assert len(report.unmatched) == 6
+    assert all("outside the scan" in r for r in report.reasons)
+    ref = _ggn(model, batch)
+    for structure in (ef.Dense(), ef.Diagonal(), ef.KFAC()):
+        curv = ef.curvature(ce, model, batch, estimator=ef.GGN(), structure=structure)
+        got = np.asarray(curv.as_matrix())
+        n = got.shape[0] if isinstance(structure, ef.Diagonal) else 3 * D * D + 3 * D
+        if isinstance(structure, ef.Dense):
+            np.testing.assert_allclose(got, ref, atol=1e-12)
+        else:  # the stacked leaves' units (all for Diagonal) are exact diagonals
+            np.testing.assert_allclose(
+                got[:n, :n], np.diag(np.diag(ref)[:n]), atol=1e-12
+            )
+
+
 def test_value_grad_and_curvature_and_kfac_training():
     model, batch = Scanned(jax.random.key(0)), _data((D,), n=32)
     fn = ef.value_grad_and_curvature(ce, estimator=ef.GGN(), structure=ef.KFAC())
