@@ -50,6 +50,7 @@ def make_runner(
     inverse_every: int = 10,
     damping_mode="exact",
     momentum: float = 0.9,
+    norm_constraint: float | None = None,
 ):
     """Returns `first(params, idx, key, hp)` and `chunk(params, state, idx, key, hp)`.
 
@@ -82,6 +83,7 @@ def make_runner(
                 decay=0.95,
                 inverse_every=inverse_every,
                 damping_mode=damping_mode,
+                norm_constraint=norm_constraint,
             )
 
         def step(params, state, idx, key, hp):
@@ -146,6 +148,7 @@ def main() -> None:
     )
     parser.add_argument("--momentum", type=float, default=0.9, help="K-FAC's")
     parser.add_argument("--seed", type=int, default=0, help="data order and init")
+    parser.add_argument("--norm-constraint", type=float, default=None, help="K-FAC's")
     args = parser.parse_args()
 
     digits = load_digits()
@@ -185,6 +188,7 @@ def main() -> None:
             args.inverse_every,
             args.damping_mode,
             args.momentum,
+            args.norm_constraint,
         )
         hp0 = jnp.asarray(grid[0], jnp.float32)
         # Compile both functions (traced hyperparameters: once for the whole grid).
@@ -214,7 +218,7 @@ def main() -> None:
         f"target: full-data training loss <= {args.target}, max {max_steps} steps, "
         f"batch {args.batch}, evaluated every {EVAL_EVERY} steps, "
         f"K-FAC momentum {args.momentum}, decay 0.95, inverse_every "
-        f"{args.inverse_every}, "
+        f"{args.inverse_every}, norm_constraint {args.norm_constraint}, "
         f"damping_mode {args.damping_mode}"
     )
     print(

@@ -172,12 +172,28 @@ def _precondition(
     return direction, new_state
 
 
+def _constrain(direction, grads, constraint, learning_rate):
+    """Scales `direction` Δ so that lr²·Δᵀg ≤ `constraint` (Δᵀg ≈ ΔᵀCΔ: the step's
+    squared length in the curvature metric), as kfac_jax's `norm_constraint`."""
+    inner = sum(
+        jnp.sum(d * g)
+        for d, g in zip(
+            jax.tree_util.tree_leaves(direction), jax.tree_util.tree_leaves(grads)
+        )
+    )
+    size = learning_rate**2 * jnp.maximum(inner, 0.0)
+    scale = jnp.minimum(1.0, jnp.sqrt(constraint / jnp.maximum(size, 1e-30)))
+    return jax.tree_util.tree_map(lambda d: (scale * d).astype(d.dtype), direction)
+
+
 def kfac_preconditioner(
     *,
     damping: ScalarOrSchedule,
     decay: float = 0.95,
     inverse_every: int = 10,
     damping_mode: DampingMode = "factored",
+    norm_constraint: float | None = None,
+    learning_rate: ScalarOrSchedule = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
     """Preconditions gradients by a damped, averaged curvature: (C + λI)⁻¹ g.
 
@@ -195,6 +211,12 @@ def kfac_preconditioner(
       next). `"exact"`: (G ⊗ A + λI)⁻¹, through cached factor eigendecompositions
       (four products per layer and step; a damping schedule acts at every step).
       Other blocks are always solved exactly.
+    - `norm_constraint`: if given, c > 0: the direction Δ is scaled down so that
+      lr²·Δᵀg ≤ c, a trust region on the step's length in the curvature metric
+      (Δᵀg ≈ ΔᵀCΔ; kfac_jax's `norm_constraint`, ACKTR's KL clipping). It lets
+      large learning rates through early, when the curvature is poorly known.
+    - `learning_rate`: the rate the caller applies afterwards (a float or an optax
+      schedule), used only by `norm_constraint`.
 
     **Returns:**
 
@@ -211,6 +233,8 @@ def kfac_preconditioner(
             "`eqfisher.optim.kfac_preconditioner(..., inverse_every=...)`: must be a "
             f"positive int, got {inverse_every!r}."
         )
+    if norm_constraint is not None:
+        _check("norm_constraint", norm_constraint, 0.0, None, False)
     if damping_mode not in ("exact", "factored"):
         raise ValueError(
             "`eqfisher.optim.kfac_preconditioner(..., damping_mode=...)`: must be "
@@ -225,9 +249,13 @@ def kfac_preconditioner(
     def update(updates, state, params=None, *, curvature=None, **extra):
         del params, extra
         lam = _value(damping, state.count)
-        return _precondition(
+        direction, new_state = _precondition(
             updates, state, curvature, lam, decay, inverse_every, damping_mode
         )
+        if norm_constraint is not None:
+            lr = _value(learning_rate, state.count)
+            direction = _constrain(direction, updates, norm_constraint, lr)
+        return direction, new_state
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -241,13 +269,14 @@ def kfac(
     inverse_every: int = 10,
     weight_decay: float = 0.0,
     damping_mode: DampingMode = "factored",
+    norm_constraint: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """K-FAC, ready to use: preconditioner, weight decay, momentum, learning rate.
 
     **Arguments:**
 
     - `learning_rate`: a float or an optax schedule.
-    - `damping`, `decay`, `inverse_every`, `damping_mode`: see
+    - `damping`, `decay`, `inverse_every`, `damping_mode`, `norm_constraint`: see
       `kfac_preconditioner`.
     - `momentum`: heavy-ball momentum on the preconditioned direction (0 for none).
     - `weight_decay`: added to the preconditioned direction, decoupled as in AdamW.
@@ -264,6 +293,8 @@ def kfac(
             decay=decay,
             inverse_every=inverse_every,
             damping_mode=damping_mode,
+            norm_constraint=norm_constraint,
+            learning_rate=learning_rate,
         )
     ]
     if weight_decay:

@@ -79,6 +79,26 @@ def test_factored_damping_is_the_pi_damped_solve():
     np.testing.assert_array_equal(new_state.inverse.blocks[name].a, cached)
 
 
+@pytest.mark.parametrize("constraint", [1e-6, 1e6])
+def test_norm_constraint_bounds_the_step_in_the_curvature_metric(constraint):
+    model, batch = _problem()
+    params = eqx.filter(model, eqx.is_inexact_array)
+    _, grads, curv = VGC(model, batch)
+    free = optim.kfac_preconditioner(damping=0.1)
+    direction, _ = free.update(grads, free.init(params), params, curvature=curv)
+    lr = 0.5
+    opt = optim.kfac_preconditioner(
+        damping=0.1, norm_constraint=constraint, learning_rate=lr
+    )
+    got, _ = opt.update(grads, opt.init(params), params, curvature=curv)
+    d, g = (jax.flatten_util.ravel_pytree(t)[0] for t in (direction, grads))
+    scale = min(1.0, np.sqrt(constraint / (lr**2 * float(d @ g))))
+    assert (scale < 1.0) == (constraint < 1.0)
+    np.testing.assert_allclose(
+        jax.flatten_util.ravel_pytree(got)[0], scale * d, rtol=1e-10, atol=1e-14
+    )
+
+
 def test_factored_damping_trains():
     model, batch = _problem()
     opt = optim.kfac(0.2, damping=1e-2, damping_mode="factored", inverse_every=3)
@@ -191,6 +211,7 @@ def test_composes_with_optax_chain_clip_and_mask():
         (dict(damping=1e-3, decay=1.0), "decay"),
         (dict(damping=1e-3, decay=-0.1), "decay"),
         (dict(damping=1e-3, inverse_every=0), "inverse_every"),
+        (dict(damping=1e-3, norm_constraint=0.0), "norm_constraint"),
     ],
 )
 def test_bad_hyperparameters(kwargs, match):
