@@ -6,9 +6,6 @@ import pytest
 from eqfisher import _cli
 
 
-pytest.importorskip("matplotlib", reason="the demo extras are not installed")
-
-
 def test_demo_smoke(tmp_path, capsys):
     out = tmp_path / "plot.png"
     # The demo runs with JAX's defaults (float32, standard promotion), not the
