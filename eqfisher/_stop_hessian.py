@@ -37,10 +37,20 @@ def _call_jvp(
     return out, t_out
 
 
+def _strong(x: Any) -> Any:
+    if eqx.is_array(x) and getattr(x, "weak_type", False):
+        return jax.lax.convert_element_type(x, x.dtype)
+    return x
+
+
 class _StopHessian(eqx.Module):
     fn: Callable[..., PyTree]
 
     def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
+        # Weakly typed inputs (Python scalars under `jax.grad`) lose their weak type
+        # on the way through `custom_jvp`, which the closure-converted `fn` would
+        # then refuse: make them strongly typed first.
+        args, kwargs = jax.tree_util.tree_map(_strong, (args, kwargs))
         # Arrays `fn` closes over, tracers of enclosing transformations included,
         # become leaves of `fn` and so inputs like any other.
         fn = eqx.filter_closure_convert(self.fn, *args, **kwargs)
@@ -83,7 +93,7 @@ def stop_hessian(fn: Callable[..., PyTree]) -> Callable[..., PyTree]:
         ```python
         f = lambda x: jnp.sin(jnp.cos(x))
         h = lambda x: 0.5 * stop_hessian(f)(x) ** 2
-        jax.hessian(h)(jnp.asarray(1.0))  # pass arrays, not Python floats; f'(1)², without the f(1) f''(1) term
+        jax.hessian(h)(1.0)  # f'(1)², without the f(1) f''(1) term
         ```
     """
     if not callable(fn):

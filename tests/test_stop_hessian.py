@@ -38,6 +38,15 @@ def test_seed_example(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_python_scalars(mode):
+    # A Python float is weakly typed under `jax.grad`; it must work like an array.
+    h = lambda x: 0.5 * stop_hessian(f)(x) ** 2
+    got = MODES[mode](h)(0.7)
+    np.testing.assert_allclose(got, f_prime(0.7) ** 2, rtol=1e-12)
+    np.testing.assert_allclose(jax.grad(h)(0.7), f(0.7) * f_prime(0.7), rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_closure(mode):
     # Arrays `fn` closes over, here the differentiated `x`, are inputs too.
     x = jnp.arange(4.0)
