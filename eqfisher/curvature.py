@@ -204,7 +204,8 @@ class _Builder(eqx.Module):
         if need_examples:
             parts = sorted({i for g in need_examples for i in g.leaves})
             leaves = sorted({processed.units[i][0] for i in parts})
-            vecs = stats.per_example_vectors(self.traced, model, batch, vectors, leaves)
+            exact = stacked_vectors(self.estimator, losses, key, per_example=True)
+            vecs = stats.per_example_vectors(self.traced, model, batch, exact, leaves)
             by_leaf = dict(zip(leaves, vecs))
             for i in parts:
                 leaf, index = processed.units[i]

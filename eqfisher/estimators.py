@@ -10,6 +10,7 @@ wₙ of the loss value (1/N for a mean) are folded into V as √wₙ.
 """
 
 import abc
+import math
 
 import equinox as eqx
 import jax
@@ -105,15 +106,42 @@ class EmpiricalFisher(AbstractEstimator):
         return (grads * _sqrt_weights(loss))[None]
 
 
+def _per_position(v: Array) -> Array:
+    """`(k, n, *positions, out)` vectors → `(P·k, n, *positions, out)`, P the number
+    of positions, each new vector nonzero at one position only.
+
+    An example with several positions (tokens, pixels) has a block-diagonal loss
+    Hessian, one block per position. Vector k of the estimator holds the k-th
+    column of every block at once, which is right for K-FAC (whose G sums over
+    locations) but, pulled back through one example's Jacobian, mixes positions:
+    Σₖ (Σₜ Jₜᵀvₖₜ)(Σₜ' Jₜ'ᵀvₖₜ')ᵀ has cross terms t ≠ t'. Splitting the vectors by
+    position removes them.
+    """
+    k, n, out = v.shape[0], v.shape[1], v.shape[-1]
+    positions = v.shape[2:-1]
+    p = math.prod(positions)
+    flat = v.reshape(k, n, p, out)
+    split = jnp.einsum("knqc,pq->pknqc", flat, jnp.eye(p, dtype=v.dtype))
+    return split.reshape((p * k, n) + positions + (out,))
+
+
 def stacked_vectors(
     estimator: AbstractEstimator,
     losses: tuple[RegisteredLoss, ...],
     key: PRNGKeyArray | None,
+    *,
+    per_example: bool = False,
 ) -> tuple[Array, ...]:
     """One `(K, *inputs.shape)` cotangent per loss, K = Σ over losses of their k.
 
     Column blocks belong to one loss each and are zero for the others, so a single
     batched VJP over K pulls back every loss's vectors at once.
+
+    With `per_example=True`, the vectors are those whose per-example pullbacks give
+    the exact curvature: for `GGN` and `FisherExact` on losses with positions
+    within an example, split by position (see `_per_position`). Monte-Carlo
+    vectors need no split (their cross terms vanish in expectation), nor do the
+    empirical Fisher's (an example's gradient sums over its positions).
     """
     if key is None or len(losses) == 1:
         keys = [key] * len(losses)
@@ -123,6 +151,8 @@ def stacked_vectors(
         jax.lax.stop_gradient(estimator.output_vectors(loss, k))
         for loss, k in zip(losses, keys)
     ]
+    if per_example and isinstance(estimator, (GGN, FisherExact)):
+        per_loss = [v if v.ndim <= 3 else _per_position(v) for v in per_loss]
     if len(per_loss) == 1:
         return tuple(per_loss)
     total = sum(v.shape[0] for v in per_loss)
