@@ -47,6 +47,17 @@ def dense_ggn(outputs_fn: Callable, loss_of_outputs: Callable, model) -> np.ndar
     return np.asarray(jac.T @ hess @ jac)
 
 
+def dense_ggn_cross_entropy(model, x, labels) -> np.ndarray:
+    """`dense_ggn` of the mean softmax cross-entropy of `jax.vmap(model)(x)` against
+    integer `labels`, averaged over every leading axis (examples, positions)."""
+
+    def loss(out):
+        onehot = jax.nn.one_hot(labels, out.shape[-1], dtype=out.dtype)
+        return -jnp.mean(jnp.sum(onehot * jax.nn.log_softmax(out), axis=-1))
+
+    return dense_ggn(lambda m: jax.vmap(m)(x), loss, model)
+
+
 def dense_hessian(loss_of_model: Callable, model) -> np.ndarray:
     """The Hessian of `loss_of_model(model)` with respect to the ravelled parameters."""
     flat, rebuild = ravelled(model)

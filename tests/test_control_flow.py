@@ -33,15 +33,6 @@ def _data(n_in, n_classes):
     return x, y
 
 
-def _ggn(model, batch):
-    x, y = batch
-
-    def loss(out):
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(out), y[:, None], 1))
-
-    return dense_ggn(lambda m: jax.vmap(m)(x), loss, model)
-
-
 def test_cond_layers_are_reported_with_the_reason():
     key = jax.random.key(0)
     model = Branchy(

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import dense_ggn
+from helpers import dense_ggn_cross_entropy
 
 import eqfisher as ef
 
@@ -68,14 +68,7 @@ def ce(model, batch):
 
 
 def _reference(model, batch):
-    x, y = batch
-
-    def loss(out):
-        return -jnp.mean(
-            jnp.sum(jax.nn.one_hot(y, V, dtype=F64) * jax.nn.log_softmax(out), -1)
-        )
-
-    return dense_ggn(lambda m: jax.vmap(m)(x), loss, model)
+    return dense_ggn_cross_entropy(model, *batch)
 
 
 def _cases():

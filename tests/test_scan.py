@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import dense_ggn, tree_allclose
+from helpers import dense_ggn_cross_entropy, tree_allclose
 
 import eqfisher as ef
 
@@ -132,12 +132,7 @@ def _data(shape, n=5, seed=1):
 
 
 def _ggn(model, batch):
-    x, y = batch
-
-    def loss(out):
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(out), y[:, None], 1))
-
-    return dense_ggn(lambda m: jax.vmap(m)(x), loss, model)
+    return dense_ggn_cross_entropy(model, *batch)
 
 
 def _positions(model, paths_and_index):

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import dense_ggn
+from helpers import dense_ggn_cross_entropy
 
 import eqfisher as ef
 
@@ -70,14 +70,7 @@ def test_tied_layer_is_one_layer_used_twice():
 def test_tied_exact_structures(structure):
     model = Twice(jax.random.key(0))
     batch = _batch((6, 4))
-    x, y = batch
-    ref = dense_ggn(
-        lambda m: jax.vmap(m)(x),
-        lambda out: (
-            -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(out), y[:, None], 1))
-        ),
-        model,
-    )
+    ref = dense_ggn_cross_entropy(model, *batch)
     curv = ef.curvature(ce_loss, model, batch, estimator=ef.GGN(), structure=structure)
     got = np.asarray(curv.as_matrix())
     if isinstance(structure, ef.Diagonal):
