@@ -128,6 +128,10 @@ class Program:
     outvars: tuple[Atom, ...]
     units: tuple[Unit, ...] = ()
 
+    def stacked(self) -> set[int]:
+        """Ids of the variables (leaves or coarser units) cut into scan units."""
+        return {id(u.parent) for u in self.units}
+
     def consumers(self) -> dict[int, list[Node]]:
         out: dict[int, list[Node]] = {}
         for node in self.nodes:

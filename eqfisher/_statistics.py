@@ -109,11 +109,11 @@ def _patch_elements(record: LayerRecord) -> int:
 
 
 def _patches_too_large(record: LayerRecord) -> bool:
+    """Whether the whole patch matrix (all locations × d_in) is over the limit."""
     if record.kind != "conv":
         return False
-    out = record.core.eqn.outvars[0].aval.shape
-    batch = out[record.core.params["dimension_numbers"].out_spec[0]]
-    return batch * _patch_elements(record) > MAX_PATCH_ELEMENTS
+    locations = math.prod(record.core.eqn.outvars[0].aval.shape) // record.d_out
+    return locations * record.d_in > MAX_PATCH_ELEMENTS
 
 
 def _chunked_patches(

@@ -22,7 +22,12 @@ from .blocks import (
 )
 from .blocks._base import register_psd_operator
 from .blocks._layout import to_matrix
-from .estimators import AbstractEstimator, stacked_vectors
+from .estimators import (
+    AbstractEstimator,
+    loss_vectors,
+    per_example_split,
+    stacked_vectors,
+)
 from .structures import EKFAC, AbstractStructure, BlockDiagonal, Dense, Group, groups
 from .tracing import Traced, split
 
@@ -190,7 +195,8 @@ class _Builder(eqx.Module):
         outputs, vjp, (losses, inputs), grad_vjp = stats.layer_outputs_vjp(
             processed, s, records, full=full
         )
-        vectors = stacked_vectors(self.estimator, losses, key)
+        per_loss = loss_vectors(self.estimator, losses, key)
+        vectors = stacked_vectors(per_loss)
         grads = None
         if full:
             # The gradient and the curvature vectors are pulled back separately:
@@ -204,7 +210,7 @@ class _Builder(eqx.Module):
         if need_examples:
             parts = sorted({i for g in need_examples for i in g.leaves})
             leaves = sorted({processed.units[i][0] for i in parts})
-            exact = stacked_vectors(self.estimator, losses, key, per_example=True)
+            exact = stacked_vectors(per_example_split(self.estimator, per_loss))
             vecs = stats.per_example_vectors(self.traced, model, batch, exact, leaves)
             by_leaf = dict(zip(leaves, vecs))
             for i in parts:

@@ -125,34 +125,43 @@ def _per_position(v: Array) -> Array:
     return split.reshape((p * k, n) + positions + (out,))
 
 
-def stacked_vectors(
+def loss_vectors(
     estimator: AbstractEstimator,
     losses: tuple[RegisteredLoss, ...],
     key: PRNGKeyArray | None,
-    *,
-    per_example: bool = False,
-) -> tuple[Array, ...]:
-    """One `(K, *inputs.shape)` cotangent per loss, K = Σ over losses of their k.
-
-    Column blocks belong to one loss each and are zero for the others, so a single
-    batched VJP over K pulls back every loss's vectors at once.
-
-    With `per_example=True`, the vectors are those whose per-example pullbacks give
-    the exact curvature: for `GGN` and `FisherExact` on losses with positions
-    within an example, split by position (see `_per_position`). Monte-Carlo
-    vectors need no split (their cross terms vanish in expectation), nor do the
-    empirical Fisher's (an example's gradient sums over its positions).
-    """
+) -> list[Array]:
+    """Each registered loss's output vectors `(k, *inputs.shape)`."""
     if key is None or len(losses) == 1:
         keys = [key] * len(losses)
     else:
         keys = list(jax.random.split(key, len(losses)))
-    per_loss = [
+    return [
         jax.lax.stop_gradient(estimator.output_vectors(loss, k))
         for loss, k in zip(losses, keys)
     ]
-    if per_example and isinstance(estimator, (GGN, FisherExact)):
-        per_loss = [v if v.ndim <= 3 else _per_position(v) for v in per_loss]
+
+
+def per_example_split(
+    estimator: AbstractEstimator, per_loss: list[Array]
+) -> list[Array]:
+    """The vectors whose per-example pullbacks give the exact curvature.
+
+    For `GGN` and `FisherExact` on losses with positions within an example, the
+    vectors are split by position (see `_per_position`). Monte-Carlo vectors need
+    no split (their cross terms vanish in expectation), nor do the empirical
+    Fisher's (an example's gradient sums over its positions).
+    """
+    if not isinstance(estimator, (GGN, FisherExact)):
+        return per_loss
+    return [v if v.ndim <= 3 else _per_position(v) for v in per_loss]
+
+
+def stacked_vectors(per_loss: list[Array]) -> tuple[Array, ...]:
+    """One `(K, *inputs.shape)` cotangent per loss, K = Σ over losses of their k.
+
+    Column blocks belong to one loss each and are zero for the others, so a single
+    batched VJP over K pulls back every loss's vectors at once.
+    """
     if len(per_loss) == 1:
         return tuple(per_loss)
     total = sum(v.shape[0] for v in per_loss)

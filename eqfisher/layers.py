@@ -586,7 +586,7 @@ def detect(program: Program, leaf_paths: Sequence[str]) -> Detection:
     records.sort(key=lambda r: min(order[i] for i in r.param_indices))
     records = _unique_names(records)
     used = {i for r in records for i in r.param_indices}
-    split = {id(u.parent) for u in program.units}
+    split = program.stacked()
     unmatched = []
     for i in sorted(range(len(param_paths)), key=order.__getitem__):
         path = param_paths[i]

@@ -112,7 +112,7 @@ class ProcessedTrace:
     def parts(self, leaves: Sequence[int]) -> list[int]:
         """The parameters that partition the given leaves: each leaf itself, or the
         finest units of a stacked leaf, in order."""
-        split = {id(u.parent) for u in self.program.units}
+        split = self.program.stacked()
         srcvars = sources(self.program, self.num_params)
         chosen = set(leaves)
         return [
