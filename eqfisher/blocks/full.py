@@ -1,4 +1,5 @@
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 from jaxtyping import Array, ArrayLike, Float, ScalarLike
@@ -27,8 +28,12 @@ class Full(AbstractBlock):
         `ravel_pytree` order of the operand tuple.
     - `structure`: the operand, a tuple of `jax.ShapeDtypeStruct` (static).
 
-    `solve` and `logdet` use a Cholesky factorisation of B + damping·I;
-    `eigenvalues` are in ascending order (`jnp.linalg.eigvalsh`).
+    `solve` and `logdet` use a Cholesky factorisation of B + damping·I. Where it
+    fails, because rounding has left B with eigenvalues below −damping (float32 with
+    damping ≲ 1e-7·‖B‖), they fall back to an eigendecomposition with the
+    eigenvalues of B clamped at zero: the exact result for the nearest PSD matrix,
+    finite for any positive damping. `eigenvalues` are in ascending order
+    (`jnp.linalg.eigvalsh`).
     """
 
     matrix: Float[Array, "size size"]
@@ -76,21 +81,43 @@ class Full(AbstractBlock):
     def in_structure(self) -> Structure:
         return self.structure
 
-    def _cholesky(self, damping: ScalarLike) -> Float[Array, "size size"]:
-        damping = check_damping(damping, self.matrix.dtype)
+    def _cholesky(self, damping: Array) -> Float[Array, "size size"]:
         eye = jnp.eye(self.matrix.shape[0], dtype=self.matrix.dtype)
         return jnp.linalg.cholesky(self.matrix + damping * eye)
 
+    def _clamped_eigh(self) -> tuple[Array, Array]:
+        values, vectors = jnp.linalg.eigh(self.matrix)
+        return jnp.maximum(values, 0), vectors
+
     def solve(self, vector: Operand, damping: ScalarLike) -> Operand:
         check_operand(vector, self.structure, "Full.solve")
+        damping = check_damping(damping, self.matrix.dtype)
+        flat = self._flat(vector)
         factor = self._cholesky(damping)
-        return self._out(jsl.cho_solve((factor, True), self._flat(vector)))
+
+        def by_cholesky():
+            return jsl.cho_solve((factor, True), flat)
+
+        def by_eigh():
+            values, vectors = self._clamped_eigh()
+            return vectors @ ((vectors.T @ flat) / (values + damping))
+
+        ok = jnp.all(jnp.isfinite(factor))
+        return self._out(jax.lax.cond(ok, by_cholesky, by_eigh))
 
     def diagonal(self) -> Operand:
         return self._out(jnp.diagonal(self.matrix))
 
     def logdet(self, damping: ScalarLike) -> Float[Array, ""]:
-        return 2 * jnp.sum(jnp.log(jnp.diagonal(self._cholesky(damping))))
+        damping = check_damping(damping, self.matrix.dtype)
+        factor = self._cholesky(damping)
+
+        def by_eigh():
+            return jnp.sum(jnp.log(self._clamped_eigh()[0] + damping))
+
+        ok = jnp.all(jnp.isfinite(factor))
+        by_cholesky = lambda: 2 * jnp.sum(jnp.log(jnp.diagonal(factor)))
+        return jax.lax.cond(ok, by_cholesky, by_eigh)
 
     def trace(self) -> Float[Array, ""]:
         return jnp.trace(self.matrix)

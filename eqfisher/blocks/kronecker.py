@@ -25,6 +25,14 @@ from ._layout import (
 Eigh = tuple[Array, Array]
 
 
+def _clamped_eigh(factor: Float[Array, "d d"]) -> Eigh:
+    # The factors are PSD; rounding (float32) can leave eigenvalues slightly below
+    # zero, and their products with the other factor's below −damping: clamped, every
+    # damped inverse and log-determinant stays finite for any positive damping.
+    values, vectors = jnp.linalg.eigh(factor)
+    return jnp.maximum(values, 0), vectors
+
+
 class KroneckerFactored(AbstractBlock):
     """A K-FAC block B = G ⊗ A (Martens & Grosse, 2015).
 
@@ -47,7 +55,8 @@ class KroneckerFactored(AbstractBlock):
         `jax.ShapeDtypeStruct`s. Products are computed in the factors' dtype and
         returned in the operand's.
     - `a_eig`, `g_eig`: `None`, or `(eigenvalues, eigenvectors)` of `a` and `g`
-        from `precompute()`; `solve`, `solve_factored`, `logdet` and `eigenvalues`
+        from `precompute()` (eigenvalues clamped at zero: rounding can leave a PSD
+        factor's smallest ones slightly negative); `solve`, `solve_factored`, `logdet` and `eigenvalues`
         reuse them instead of calling `jnp.linalg.eigh`.
 
     `eigenvalues()` is `outer(eig(G), eig(A)).ravel()` (unsorted).
@@ -121,8 +130,9 @@ class KroneckerFactored(AbstractBlock):
 
     def _eighs(self) -> tuple[Eigh, Eigh]:
         if self.a_eig is not None and self.g_eig is not None:
-            return self.a_eig, self.g_eig
-        return jnp.linalg.eigh(self.a), jnp.linalg.eigh(self.g)
+            (s_a, q_a), (s_g, q_g) = self.a_eig, self.g_eig
+            return (jnp.maximum(s_a, 0), q_a), (jnp.maximum(s_g, 0), q_g)
+        return _clamped_eigh(self.a), _clamped_eigh(self.g)
 
     def precompute(self) -> "KroneckerFactored":
         """This block with `a_eig` and `g_eig` filled, for repeated solves.
