@@ -14,42 +14,26 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int, PyTree
 
-from ._statistics import stat_dtype
-from .products import _tag_fn
+from .products import ggn_operator
 
 
 class QuadraticModel:
     """The exact Gauss-Newton quadratic model of `loss_fn` on one batch.
 
     Build it inside the training step with `quadratic_model(loss_fn, model, batch)`
-    and pass it to the adaptive K-FAC update as `quadratic=`.
+    and pass it to the adaptive K-FAC update as `quadratic=`. Products with the GGN
+    go through the public `eqfisher.ggn_operator` (one JVP and one VJP each).
     """
 
     def __init__(self, loss_fn: Callable, model: PyTree, batch: PyTree):
-        self._fn, self.params = _tag_fn(
-            loss_fn, model, batch, "eqfisher.optim.quadratic_model"
-        )
-        _, self._static = eqx.partition(model, eqx.is_inexact_array)
+        self._ggn = ggn_operator(loss_fn, model, batch)
+        self.params, self._static = eqx.partition(model, eqx.is_inexact_array)
         self._loss_fn, self._batch = loss_fn, batch
 
     def gram(self, vectors: list[PyTree]) -> Float[Array, "k k"]:
-        """vᵢᵀ G vⱼ for the exact GGN G, from one JVP per vector (no VJP)."""
-        outs = []
-        for v in vectors:
-            _, jv, losses = jax.jvp(self._fn, (self.params,), (v,), has_aux=True)
-            outs.append(jv)
-        k = len(vectors)
-        rows = []
-        for i in range(k):
-            row = []
-            for j in range(k):
-                total = 0.0
-                for loss, a, b in zip(losses, outs[i], outs[j]):
-                    hb = loss.family.hessian_mv(loss.inputs, b)
-                    total = total + jnp.sum(loss.weights()[..., None] * a * hb)
-                row.append(total)
-            rows.append(jnp.stack(row))
-        return jnp.stack(rows)
+        """vᵢᵀ G vⱼ for the exact GGN G, from one GGN product per vector."""
+        products = [self._ggn.mv(v) for v in vectors]
+        return jnp.stack([jnp.stack([_dot(u, gv) for gv in products]) for u in vectors])
 
     def loss(self, params: PyTree) -> Float[Array, ""]:
         """`loss_fn` on the batch, at other parameters."""
@@ -92,7 +76,9 @@ def adaptive_steps(
 
     def init(params):
         leaves = jax.tree.leaves(params)
-        dtype = stat_dtype(leaves[0].dtype) if leaves else jnp.float32
+        # The damping in the statistics' dtype: at least float32.
+        dtype = leaves[0].dtype if leaves else jnp.dtype(jnp.float32)
+        dtype = jnp.float32 if jnp.finfo(dtype).bits < 32 else dtype
         return AdaptiveState(
             jnp.asarray(initial_damping, dtype),
             jax.tree.map(jnp.zeros_like, params),

@@ -1,58 +1,78 @@
-"""K-FAC as optax transformations.
+"""K-FAC as optax transformations, and a one-call training step.
 
 ```python
-opt = ef.optim.kfac(1e-2, damping=1e-3)
-state = opt.init(params)
-loss, grads, curv = ef.value_grad_and_curvature(
-    loss_fn, estimator=ef.FisherMC(), structure=ef.KFAC())(model, batch, key=key)
+vgc = ef.value_grad_and_curvature(loss_fn, estimator=ef.FisherMC(), structure=ef.KFAC())
+like = ef.optim.curvature_like(vgc, model, batch, key=key)  # shapes only
+opt = ef.optim.kfac(1e-2, like=like)
+state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+loss, grads, curv = vgc(model, batch, key=key)
 updates, state = opt.update(grads, state, params, curvature=curv)
 ```
 
-The first `update` fills the curvature slots of the state, so a jitted step traces
-twice (steps 1 and 2) and never again.
+The state holds the averaged curvature and the cached damped inverse from `init`
+on, so it has one PyTree structure throughout: a jitted step compiles once and can
+be the body of a `lax.scan`, and a fresh `init` is a template for
+`eqx.tree_deserialise_leaves`.
 """
 
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int, PyTree
 
 from ._adaptive import AdaptiveState, QuadraticModel, adaptive_steps, quadratic_model
-from .blocks import KroneckerFactored
-from .curvature import Curvature
+from ._damping import AbstractDamping, FactoredTikhonov, Tikhonov, tikhonov_inverse
+from .curvature import Curvature, value_grad_and_curvature
+from .estimators import AbstractEstimator
+from .structures import AbstractStructure
 
 
 ScalarOrSchedule = float | Float[Array, ""] | optax.Schedule
 
+# Defaults chosen from the grid in benchmarks/kfac_defaults.py (benchmarks/RESULTS.md,
+# "K-FAC defaults"): no learning rate in 1e-3…1 gives a non-finite run on the five
+# problems there.
+DAMPING = 1e-2
+MOMENTUM = 0.0
+NORM_CONSTRAINT = 1e-2
+INVERSE_EVERY = 5
+PI_DAMPING = FactoredTikhonov()
+
 
 class KFACState(NamedTuple):
-    """State of `kfac_preconditioner`.
+    """State of `kfac_preconditioner`; the same PyTree structure at every step.
 
     - `count`: updates seen.
     - `curvature_count`: finite curvature estimates folded into the average.
-    - `curvature`: the bias-corrected moving average of the curvature (or None
-      before the first update).
-    - `inverse`: what preconditions the gradient, refreshed every `inverse_every`
-      updates: the average with its factor eigendecompositions (damping mode
-      "exact"), or with each K-FAC block replaced by its π-damped inverse, itself a
-      Kronecker block ("factored").
     - `nonfinite_count`: curvature estimates rejected for holding NaN or inf.
+    - `skipped_count`: updates replaced by zero for being non-finite.
+    - `refresh_count`: times the cached inverse was recomputed.
+    - `curvature`: the bias-corrected moving average of the curvature (zeros
+      before the first estimate).
+    - `inverse`: a `Curvature` whose blocks are the damped inverses of the
+      average's (see `Tikhonov`, `FactoredTikhonov`): its `mv` preconditions.
     """
 
     count: Int[Array, ""]
     curvature_count: Int[Array, ""]
-    curvature: Curvature | None
-    inverse: Curvature | None
     nonfinite_count: Int[Array, ""]
+    skipped_count: Int[Array, ""]
+    refresh_count: Int[Array, ""]
+    curvature: Curvature
+    inverse: Curvature
 
 
 def _value(x: ScalarOrSchedule, count: Array) -> Array:
     return x(count) if callable(x) else jnp.asarray(x)
 
 
-def _check(name: str, value: Any, low: float, high: float | None, closed: bool) -> None:
+def _check(
+    caller: str, name: str, value: Any, low: float, high: float | None, closed: bool
+) -> None:
     if callable(value) or isinstance(value, jax.core.Tracer):
         return
     v = float(value)
@@ -60,55 +80,26 @@ def _check(name: str, value: Any, low: float, high: float | None, closed: bool) 
     if not ok:
         bounds = f"[{low}, {high})" if closed else f"> {low}"
         raise ValueError(
-            f"`eqfisher.optim.kfac_preconditioner(..., {name}=...)`: `{name}` must be "
+            f"`eqfisher.optim.{caller}(..., {name}=...)`: `{name}` must be "
             f"{bounds}, got {value!r}."
         )
 
 
-DampingMode = Literal["exact", "factored"]
-
-
-def _factored_inverse(block: KroneckerFactored, lam) -> KroneckerFactored:
-    """(G + (√λ/π)·I)⁻¹ ⊗ (A + π√λ·I)⁻¹ as a Kronecker block: its `mv` is the
-    π-damped solve (`KroneckerFactored.solve_factored`), two products per step."""
-    d_a, d_g = block.a.shape[0], block.g.shape[0]
-    pi = jnp.sqrt((jnp.trace(block.a) / d_a) / (jnp.trace(block.g) / d_g))
-    # A zero factor (a layer that never saw data) gives π = 0 or ∞; fall back to 1.
-    pi = jnp.where(jnp.isfinite(pi) & (pi > 0), pi, 1.0).astype(block.a.dtype)
-    root = jnp.sqrt(jnp.asarray(lam, block.a.dtype))
-
-    def inv(m, shift):
-        chol = jax.scipy.linalg.cho_factor(
-            m + shift * jnp.eye(m.shape[0], dtype=m.dtype)
+def _check_positive_int(caller: str, name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(
+            f"`eqfisher.optim.{caller}(..., {name}=...)`: must be a positive int, "
+            f"got {value!r}."
         )
-        return jax.scipy.linalg.cho_solve(chol, jnp.eye(m.shape[0], dtype=m.dtype))
-
-    return KroneckerFactored(
-        inv(block.a, pi * root),
-        inv(block.g, root / pi),
-        weight_perm=block.weight_perm,
-        structure=block.structure,
-    )
 
 
-def _precompute(curv: Curvature, lam, mode: DampingMode) -> Curvature:
-    """What the preconditioner caches between refreshes: factor eigendecompositions
-    ("exact"), or the damped factors' inverses ("factored")."""
-    blocks = {}
-    for k, b in curv.blocks.items():
-        if isinstance(b, KroneckerFactored):
-            b = b.precompute() if mode == "exact" else _factored_inverse(b, lam)
-        blocks[k] = b
-    return Curvature(blocks, curv.leaf_indices, curv.structure, curv.leaf_slices)
-
-
-def _apply_inverse(inverse: Curvature, updates, lam, mode: DampingMode):
-    def fn(block, v):
-        if mode == "factored" and isinstance(block, KroneckerFactored):
-            return block.mv(v)  # the cached inverse
-        return block.solve(v, lam)
-
-    return inverse._map(updates, fn, "solve")
+def _check_like(caller: str, like: Any) -> None:
+    if not isinstance(like, Curvature):
+        raise TypeError(
+            f"`eqfisher.optim.{caller}(..., like=...)` needs a `Curvature` of the "
+            "shape the updates will see, e.g. `eqfisher.optim.curvature_like(vgc, "
+            f"model, batch, key=key)`; got {type(like).__name__}."
+        )
 
 
 def _all_finite(tree: PyTree) -> Array:
@@ -116,41 +107,96 @@ def _all_finite(tree: PyTree) -> Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
-def _precondition(
-    updates, state: KFACState, curvature, lam, decay, inverse_every, mode="exact"
-):
-    """Folds `curvature` into the average and returns (C + λI)⁻¹ updates."""
-    if not isinstance(curvature, Curvature):
+def _where(cond: Array, new: PyTree, old: PyTree) -> PyTree:
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(cond, a, b), new, old)
+
+
+def curvature_like(fn: Callable, *args: Any, **kwargs: Any) -> Curvature:
+    """The shape of the curvature `fn(*args, **kwargs)` returns, without computing it.
+
+    **Arguments:**
+
+    - `fn`: a function returning a `Curvature`, or a tuple whose last element is one
+      (e.g. the function from `eqfisher.value_grad_and_curvature`).
+    - `*args`, `**kwargs`: its arguments (e.g. `model, batch, key=key`).
+
+    **Returns:**
+
+    A `Curvature` whose array leaves are `jax.ShapeDtypeStruct`s: the `like=` of
+    `kfac`, `kfac_preconditioner`, `kfac_adaptive`.
+    """
+    out = eqx.filter_eval_shape(fn, *args, **kwargs)
+    curv = out[-1] if isinstance(out, tuple) else out
+    if not isinstance(curv, Curvature):
+        raise TypeError(
+            "`eqfisher.optim.curvature_like(fn, ...)`: `fn` must return a "
+            "`Curvature` or a tuple ending in one (value_grad_and_curvature's "
+            f"function), got {type(curv).__name__}."
+        )
+    return curv
+
+
+def _invert(avg: Curvature, lam: Array, damping: AbstractDamping) -> Curvature:
+    blocks = {k: damping.precompute(b, lam) for k, b in avg.blocks.items()}
+    return Curvature(blocks, avg.leaf_indices, avg.structure, avg.leaf_slices)
+
+
+def _initial(like: Curvature, lam: Array, damping: AbstractDamping) -> KFACState:
+    zeros = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), like)
+    # `ema` drops cached eigendecompositions: the average has `ema`'s structure.
+    avg = zeros.ema(zeros, 0.0)
+    zero = jnp.zeros((), jnp.int32)
+    return KFACState(zero, zero, zero, zero, zero, avg, _invert(avg, lam, damping))
+
+
+def _fold(
+    state: KFACState,
+    curvature: Curvature,
+    lam: Array,
+    decay: float,
+    inverse_every: int,
+    damping: AbstractDamping,
+) -> KFACState:
+    """Averages `curvature` in and refreshes the cached inverse when due."""
+    if jax.tree_util.tree_structure(curvature) != jax.tree_util.tree_structure(
+        state.curvature
+    ) or [jnp.shape(x) for x in jax.tree_util.tree_leaves(curvature)] != [
+        jnp.shape(x) for x in jax.tree_util.tree_leaves(state.curvature)
+    ]:
         raise ValueError(
-            "`kfac_preconditioner.update(grads, state, params, curvature=...)` "
-            "needs `curvature=`, an `eqfisher.Curvature` of this batch."
+            "`kfac_preconditioner.update(..., curvature=...)`: the curvature has "
+            "other blocks or shapes than the optimiser's `like=`; build `like` with "
+            "`eqfisher.optim.curvature_like` from the same function and model."
         )
     finite = _all_finite(curvature)
-    count = state.count + 1
-    if state.curvature is None:
-        avg = jax.tree_util.tree_map(
-            lambda x: jnp.where(finite, x, jnp.zeros_like(x)), curvature
-        )
-        inverse = _precompute(avg, lam, mode)
-        n_good = finite.astype(jnp.int32)
-    else:
-        n_good = state.curvature_count + finite.astype(jnp.int32)
-        # Time-varying decay = the bias-corrected average of every factor.
-        t = n_good.astype(jnp.float32)
-        d = decay * (1 - decay ** (t - 1)) / (1 - decay**t)
-        d = jnp.where(n_good > 1, d, 0.0)
-        mixed = state.curvature.ema(curvature, jnp.clip(d, 0.0, 1.0))
-        avg = jax.tree_util.tree_map(
-            lambda new, old: jnp.where(finite, new, old), mixed, state.curvature
-        )
-        # Early estimates change fast: refresh at every step until the average
-        # has seen `inverse_every` batches, then every `inverse_every` steps.
-        refresh = (state.count < inverse_every) | (state.count % inverse_every == 0)
-        inverse = jax.lax.cond(
-            refresh, lambda: _precompute(avg, lam, mode), lambda: state.inverse
-        )
+    n_good = state.curvature_count + finite.astype(jnp.int32)
+    # The time-varying decay makes this the bias-corrected average of each factor.
+    t = n_good.astype(jnp.float32)
+    d = decay * (1 - decay ** (t - 1)) / (1 - decay**t)
+    d = jnp.clip(jnp.where(n_good > 1, d, 0.0), 0.0, 1.0)
+    avg = _where(finite, state.curvature.ema(curvature, d), state.curvature)
+    # Early estimates change fast: refresh at each of the first `inverse_every`
+    # estimates, then at every `inverse_every`-th.
+    refresh = finite & ((n_good <= inverse_every) | (n_good % inverse_every == 0))
+
+    def refreshed():
+        new = _invert(avg, lam, damping)
+        # An inverse that came out non-finite is not cached: the old one is kept.
+        return _where(_all_finite(new), new, state.inverse)
+
+    inverse = jax.lax.cond(refresh, refreshed, lambda: state.inverse)
+    return state._replace(
+        curvature_count=n_good,
+        nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
+        refresh_count=state.refresh_count + refresh.astype(jnp.int32),
+        curvature=avg,
+        inverse=inverse,
+    )
+
+
+def _precondition(updates: PyTree, state: KFACState) -> PyTree:
     try:
-        direction = _apply_inverse(inverse, updates, lam, mode)
+        direction = state.inverse.mv(updates)
     except ValueError as e:
         raise ValueError(
             "`kfac_preconditioner.update`: the gradients and the curvature cover "
@@ -159,103 +205,99 @@ def _precondition(
             "where))`."
         ) from e
     # No finite curvature seen yet: no step rather than an unpreconditioned one.
-    direction = jax.tree_util.tree_map(
-        lambda x: jnp.where(n_good > 0, x, jnp.zeros_like(x)), direction
+    return jax.tree_util.tree_map(
+        lambda x: jnp.where(state.curvature_count > 0, x, jnp.zeros_like(x)), direction
     )
-    new_state = KFACState(
-        count,
-        n_good,
-        avg,
-        inverse,
-        state.nonfinite_count + (1 - finite.astype(jnp.int32)),
-    )
-    return direction, new_state
 
 
 def _constrain(direction, grads, constraint, learning_rate):
     """Scales `direction` Δ so that lr²·Δᵀg ≤ `constraint` (Δᵀg ≈ ΔᵀCΔ: the step's
     squared length in the curvature metric), as kfac_jax's `norm_constraint`."""
-    inner = sum(
-        jnp.sum(d * g)
-        for d, g in zip(
-            jax.tree_util.tree_leaves(direction), jax.tree_util.tree_leaves(grads)
-        )
-    )
-    size = learning_rate**2 * jnp.maximum(inner, 0.0)
+    inner = optax.tree_utils.tree_vdot(direction, grads)
+    lr = jnp.asarray(learning_rate).astype(jnp.result_type(inner))
+    size = lr**2 * jnp.maximum(inner, 0.0)
     scale = jnp.minimum(1.0, jnp.sqrt(constraint / jnp.maximum(size, 1e-30)))
     return jax.tree_util.tree_map(lambda d: (scale * d).astype(d.dtype), direction)
 
 
+def _guard(direction: PyTree, state: KFACState) -> tuple[PyTree, KFACState]:
+    """A non-finite update (NaN gradients, a blown-up inverse) becomes no step."""
+    ok = _all_finite(direction)
+    direction = jax.tree_util.tree_map(
+        lambda x: jnp.where(ok, x, jnp.zeros_like(x)), direction
+    )
+    state = state._replace(
+        count=state.count + 1,
+        skipped_count=state.skipped_count + (~ok).astype(jnp.int32),
+    )
+    return direction, state
+
+
 def kfac_preconditioner(
     *,
-    damping: ScalarOrSchedule,
+    like: Curvature,
+    damping: ScalarOrSchedule = DAMPING,
     decay: float = 0.95,
-    inverse_every: int = 10,
-    damping_mode: DampingMode = "factored",
-    norm_constraint: float | None = None,
+    inverse_every: int = INVERSE_EVERY,
+    damping_variant: AbstractDamping = PI_DAMPING,
+    norm_constraint: float | None = NORM_CONSTRAINT,
     learning_rate: ScalarOrSchedule = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
     """Preconditions gradients by a damped, averaged curvature: (C + λI)⁻¹ g.
 
     **Arguments:**
 
-    - `damping`: λ > 0, a float or an optax schedule of the step count.
+    - `like`: a `Curvature` of the shape `update` will receive (real, or from
+      `curvature_like`): `init` builds the averaged curvature (zeros) and its
+      cached inverse from it, so the state never changes structure.
+    - `damping`: λ > 0, a float or an optax schedule of the step count; the value
+      at a refresh of the cached inverse is used until the next refresh.
     - `decay`: the moving-average weight of old curvature, in [0, 1).
-    - `inverse_every`: refresh the cached inverses every this many steps (inside
-      jit; no recompilation), and at every one of the first `inverse_every` steps,
-      while the average is young.
-    - `damping_mode`: how K-FAC blocks are damped. `"factored"` (default, as in
-      kfac_jax): Martens & Grosse's π-damped (G + (√λ/π)I)⁻¹ ⊗ (A + π√λ I)⁻¹,
-      with the two inverses cached (Cholesky, cheaper than `eigh`; two products
-      per layer and step; the damping in force at a refresh is used until the
-      next). `"exact"`: (G ⊗ A + λI)⁻¹, through cached factor eigendecompositions
-      (four products per layer and step; a damping schedule acts at every step).
-      Other blocks are always solved exactly.
-    - `norm_constraint`: if given, c > 0: the direction Δ is scaled down so that
+    - `inverse_every`: refresh the cached inverse at every this-many-th curvature
+      estimate (inside jit; no recompilation), and at each of the first
+      `inverse_every`, while the average is young.
+    - `damping_variant`: `FactoredTikhonov()` (default, π-damping as kfac_jax)
+      or `Tikhonov()` (exact (C̄ + λI)⁻¹ for the averaged K-FAC matrix).
+    - `norm_constraint`: c > 0 or `None`: the direction Δ is scaled down so that
       lr²·Δᵀg ≤ c, a trust region on the step's length in the curvature metric
-      (Δᵀg ≈ ΔᵀCΔ; kfac_jax's `norm_constraint`, ACKTR's KL clipping). It lets
-      large learning rates through early, when the curvature is poorly known.
+      (kfac_jax's `norm_constraint`). On by default: it keeps large learning rates
+      finite early on, when the curvature is poorly known.
     - `learning_rate`: the rate the caller applies afterwards (a float or an optax
       schedule), used only by `norm_constraint`.
 
     **Returns:**
 
-    An `optax.GradientTransformationExtraArgs`; call
-    `update(grads, state, params, curvature=curv)` with `curv` from
-    `eqfisher.curvature` or `eqfisher.value_grad_and_curvature`. A curvature holding
-    NaN or inf is not averaged in: the last good estimate is kept and
-    `state.nonfinite_count` counts the event.
+    An `optax.GradientTransformationExtraArgs`. `update(grads, state, params,
+    curvature=curv)` averages `curv` in and preconditions; `update(grads, state,
+    params)` (no curvature) only preconditions with the cached inverse, for steps
+    between curvature estimates. A curvature holding NaN or inf is not averaged in
+    (counted in `state.nonfinite_count`); a non-finite update is replaced by zero
+    (counted in `state.skipped_count`).
     """
-    _check("damping", damping, 0.0, None, False)
-    _check("decay", decay, 0.0, 1.0, True)
-    if not isinstance(inverse_every, int) or inverse_every < 1:
-        raise ValueError(
-            "`eqfisher.optim.kfac_preconditioner(..., inverse_every=...)`: must be a "
-            f"positive int, got {inverse_every!r}."
-        )
+    caller = "kfac_preconditioner"
+    _check_like(caller, like)
+    _check(caller, "damping", damping, 0.0, None, False)
+    _check(caller, "decay", decay, 0.0, 1.0, True)
+    _check_positive_int(caller, "inverse_every", inverse_every)
     if norm_constraint is not None:
-        _check("norm_constraint", norm_constraint, 0.0, None, False)
-    if damping_mode not in ("exact", "factored"):
-        raise ValueError(
-            "`eqfisher.optim.kfac_preconditioner(..., damping_mode=...)`: must be "
-            f'"exact" or "factored", got {damping_mode!r}.'
-        )
+        _check(caller, "norm_constraint", norm_constraint, 0.0, None, False)
 
     def init(params):
         del params
-        zero = jnp.zeros((), jnp.int32)
-        return KFACState(zero, zero, None, None, zero)
+        return _initial(
+            like, _value(damping, jnp.zeros((), jnp.int32)), damping_variant
+        )
 
     def update(updates, state, params=None, *, curvature=None, **extra):
         del params, extra
-        lam = _value(damping, state.count)
-        direction, new_state = _precondition(
-            updates, state, curvature, lam, decay, inverse_every, damping_mode
-        )
+        if curvature is not None:
+            lam = _value(damping, state.count)
+            state = _fold(state, curvature, lam, decay, inverse_every, damping_variant)
+        direction = _precondition(updates, state)
         if norm_constraint is not None:
             lr = _value(learning_rate, state.count)
             direction = _constrain(direction, updates, norm_constraint, lr)
-        return direction, new_state
+        return _guard(direction, state)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -263,21 +305,22 @@ def kfac_preconditioner(
 def kfac(
     learning_rate: ScalarOrSchedule,
     *,
-    damping: ScalarOrSchedule = 1e-3,
-    momentum: float = 0.9,
+    like: Curvature,
+    damping: ScalarOrSchedule = DAMPING,
+    momentum: float = MOMENTUM,
     decay: float = 0.95,
-    inverse_every: int = 10,
+    inverse_every: int = INVERSE_EVERY,
     weight_decay: float = 0.0,
-    damping_mode: DampingMode = "factored",
-    norm_constraint: float | None = None,
+    damping_variant: AbstractDamping = PI_DAMPING,
+    norm_constraint: float | None = NORM_CONSTRAINT,
 ) -> optax.GradientTransformationExtraArgs:
     """K-FAC, ready to use: preconditioner, weight decay, momentum, learning rate.
 
     **Arguments:**
 
-    - `learning_rate`: a float or an optax schedule.
-    - `damping`, `decay`, `inverse_every`, `damping_mode`, `norm_constraint`: see
-      `kfac_preconditioner`.
+    - `learning_rate`: a float or an optax schedule; the only option to tune.
+    - `like`, `damping`, `decay`, `inverse_every`, `damping_variant`,
+      `norm_constraint`: see `kfac_preconditioner`.
     - `momentum`: heavy-ball momentum on the preconditioned direction (0 for none).
     - `weight_decay`: added to the preconditioned direction, decoupled as in AdamW.
 
@@ -285,14 +328,15 @@ def kfac(
 
     An `optax.GradientTransformationExtraArgs` (it composes with `optax.chain`,
     `optax.clip_by_global_norm`, `optax.masked`); call
-    `opt.update(grads, state, params, curvature=curv)`.
+    `opt.update(grads, state, params, curvature=curv)`, or use `kfac_step`.
     """
     parts = [
         kfac_preconditioner(
+            like=like,
             damping=damping,
             decay=decay,
             inverse_every=inverse_every,
-            damping_mode=damping_mode,
+            damping_variant=damping_variant,
             norm_constraint=norm_constraint,
             learning_rate=learning_rate,
         )
@@ -305,6 +349,116 @@ def kfac(
     return optax.chain(*parts)
 
 
+def find_kfac_state(state: PyTree) -> KFACState:
+    """The `KFACState` inside an optimiser state (e.g. an `optax.chain`'s).
+
+    **Arguments:**
+
+    - `state`: an optimiser state holding exactly one `KFACState`.
+
+    **Returns:**
+
+    That `KFACState`.
+    """
+    found = [
+        s
+        for s in jax.tree_util.tree_leaves(
+            state, is_leaf=lambda x: isinstance(x, KFACState)
+        )
+        if isinstance(s, KFACState)
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            f"`find_kfac_state(state)`: `state` holds {len(found)} K-FAC states; "
+            "expected one (from `kfac`, `kfac_preconditioner` or `kfac_adaptive`)."
+        )
+    return found[0]
+
+
+def curvature_ok(state: PyTree) -> Array:
+    """True when no curvature estimate has been rejected as non-finite."""
+    try:
+        return find_kfac_state(state).nonfinite_count == 0
+    except ValueError:
+        raise ValueError(
+            "`curvature_ok(state)`: no K-FAC state found in `state`."
+        ) from None
+
+
+def kfac_step(
+    loss_fn: Callable,
+    optimiser: optax.GradientTransformationExtraArgs,
+    *,
+    estimator: AbstractEstimator,
+    structure: AbstractStructure,
+    curvature_update_period: int = 1,
+    curvature_batch_size: int | None = None,
+) -> Callable:
+    """One jitted training step: gradient, curvature when due, optimiser update.
+
+    Every `curvature_update_period`-th step (counted by the K-FAC state, chosen with
+    `lax.cond` inside jit: one compilation) computes the curvature with
+    `eqfisher.value_grad_and_curvature`; the steps in between cost one
+    value-and-gradient plus the cached preconditioner's products.
+
+    **Arguments:**
+
+    - `loss_fn`: `loss_fn(model, batch)`, returning a scalar.
+    - `optimiser`: a transformation containing one K-FAC preconditioner (`kfac`,
+      `kfac_preconditioner` inside an `optax.chain`, ...), built with a `like=`
+      from the same `loss_fn`, `estimator` and `structure`.
+    - `estimator`, `structure`: as for `eqfisher.value_grad_and_curvature`.
+    - `curvature_update_period`: k ≥ 1: curvature statistics at steps 0, k, 2k, ...
+    - `curvature_batch_size`: `None` (the whole batch), or n: the statistics come
+      from the first n examples of every leaf of `batch` (leading axis), the
+      gradient from the whole batch (one extra forward and backward on n
+      examples).
+
+    **Returns:**
+
+    `step(model, opt_state, batch, key=None) -> (model, opt_state, loss)`, jitted;
+    `key` is needed by Monte-Carlo estimators.
+    """
+    caller = "kfac_step"
+    _check_positive_int(caller, "curvature_update_period", curvature_update_period)
+    if curvature_batch_size is not None:
+        _check_positive_int(caller, "curvature_batch_size", curvature_batch_size)
+    vgc = value_grad_and_curvature(loss_fn, estimator=estimator, structure=structure)
+    value_and_grad = eqx.filter_value_and_grad(loss_fn)
+
+    @eqx.filter_jit
+    def step(model, opt_state, batch, key=None):
+        params = eqx.filter(model, eqx.is_inexact_array)
+
+        def with_curvature():
+            if curvature_batch_size is None:
+                loss, grads, curv = vgc(model, batch, key=key)
+            else:
+                loss, grads = value_and_grad(model, batch)
+                sub = jax.tree_util.tree_map(lambda x: x[:curvature_batch_size], batch)
+                _, _, curv = vgc(model, sub, key=key)
+            updates, new = optimiser.update(grads, opt_state, params, curvature=curv)
+            return loss, updates, new
+
+        def without_curvature():
+            loss, grads = value_and_grad(model, batch)
+            updates, new = optimiser.update(grads, opt_state, params)
+            return loss, updates, new
+
+        if curvature_update_period == 1:
+            loss, updates, opt_state = with_curvature()
+        else:
+            count = find_kfac_state(opt_state).count
+            loss, updates, opt_state = jax.lax.cond(
+                count % curvature_update_period == 0,
+                with_curvature,
+                without_curvature,
+            )
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    return step
+
+
 class AdaptiveKFACState(NamedTuple):
     """State of `kfac_adaptive`: the preconditioner's and the step rule's."""
 
@@ -314,33 +468,48 @@ class AdaptiveKFACState(NamedTuple):
 
 def kfac_adaptive(
     *,
+    like: Curvature,
     initial_damping: float = 1.0,
     decay: float = 0.95,
-    inverse_every: int = 10,
+    inverse_every: int = 1,
     adapt_every: int = 5,
     weight_decay: float = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
     """K-FAC with the learning rate, momentum and damping chosen automatically.
 
     Each step minimises the exact Gauss-Newton quadratic model over αΔ + μδ₋₁
-    (Δ the preconditioned direction, δ₋₁ the last update), and every `adapt_every`
-    steps adapts the damping by the Levenberg–Marquardt rule on the ratio of the
-    actual to the predicted loss reduction (Martens & Grosse 2015). Meant for large
-    batches: the model is that of one batch.
+    (Δ = −(C̄ + λI)⁻¹g the preconditioned direction, δ₋₁ the last update), and
+    every `adapt_every` steps adapts the damping λ by the Levenberg–Marquardt rule
+    on the ratio of the actual to the predicted loss reduction (Martens & Grosse
+    2015). Meant for large batches: the model is that of one batch.
 
-    Call `update(grads, state, params, curvature=curv,
-    quadratic=eqfisher.optim.quadratic_model(loss_fn, model, batch))`; the result
-    is the full update (no learning rate to apply).
+    **Arguments:**
+
+    - `like`: see `kfac_preconditioner`.
+    - `initial_damping`: the first λ > 0.
+    - `decay`: see `kfac_preconditioner`.
+    - `inverse_every`: as in `kfac_preconditioner`; λ changes take effect at the
+      next refresh (with the default 1, at once).
+    - `adapt_every`: steps between Levenberg–Marquardt adaptations.
+    - `weight_decay`: added to the gradient before preconditioning.
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs`; call `update(grads, state, params,
+    curvature=curv, quadratic=eqfisher.optim.quadratic_model(loss_fn, model,
+    batch))`. The result is the full update (no learning rate to apply).
     """
-    _check("initial_damping", initial_damping, 0.0, None, False)
-    _check("decay", decay, 0.0, 1.0, True)
+    caller = "kfac_adaptive"
+    _check_like(caller, like)
+    _check(caller, "initial_damping", initial_damping, 0.0, None, False)
+    _check(caller, "decay", decay, 0.0, 1.0, True)
+    _check_positive_int(caller, "inverse_every", inverse_every)
     steps = adaptive_steps(initial_damping=initial_damping, adapt_every=adapt_every)
+    exact = Tikhonov()
 
     def init(params):
-        zero = jnp.zeros((), jnp.int32)
-        return AdaptiveKFACState(
-            KFACState(zero, zero, None, None, zero), steps.init(params)
-        )
+        lam = jnp.asarray(initial_damping)
+        return AdaptiveKFACState(_initial(like, lam, exact), steps.init(params))
 
     def update(updates, state, params=None, *, curvature=None, quadratic=None, **extra):
         del extra
@@ -348,10 +517,11 @@ def kfac_adaptive(
             updates = jax.tree_util.tree_map(
                 lambda g, p: g + weight_decay * p, updates, params
             )
-        lam = state.steps.damping
-        direction, kstate = _precondition(
-            updates, state.kfac, curvature, lam, decay, inverse_every
-        )
+        kstate = state.kfac
+        if curvature is not None:
+            lam = state.steps.damping
+            kstate = _fold(kstate, curvature, lam, decay, inverse_every, exact)
+        direction, kstate = _guard(_precondition(updates, kstate), kstate)
         delta = jax.tree_util.tree_map(jnp.negative, direction)
         step, sstate = steps.update(
             delta, state.steps, params, quadratic=quadratic, grads=updates
@@ -361,23 +531,20 @@ def kfac_adaptive(
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def curvature_ok(state: Any) -> Array:
-    """True when no curvature estimate has been rejected as non-finite."""
-    for s in jax.tree_util.tree_leaves(
-        state, is_leaf=lambda x: isinstance(x, KFACState)
-    ):
-        if isinstance(s, KFACState):
-            return s.nonfinite_count == 0
-    raise ValueError("`curvature_ok(state)`: no K-FAC state found in `state`.")
-
-
 __all__ = [
+    "AbstractDamping",
     "AdaptiveKFACState",
+    "FactoredTikhonov",
     "KFACState",
     "QuadraticModel",
+    "Tikhonov",
+    "curvature_like",
     "curvature_ok",
+    "find_kfac_state",
     "kfac",
     "kfac_adaptive",
     "kfac_preconditioner",
+    "kfac_step",
     "quadratic_model",
+    "tikhonov_inverse",
 ]

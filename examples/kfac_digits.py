@@ -3,8 +3,10 @@
 An `eqx.nn.MLP` classifies 8x8 handwritten digits. Each step asks eqfisher for the
 loss, the gradient and a K-FAC estimate of the Fisher from one forward pass
 (`ef.value_grad_and_curvature`), and hands the curvature to `ef.optim.kfac`, an
-optax transformation that averages it, refreshes its factor eigendecompositions
-every few steps and returns the preconditioned, momentum-smoothed update.
+optax transformation that averages it, refreshes its cached damped inverse every
+few estimates and returns the preconditioned update. `ef.optim.kfac_step` wires
+the two together in one jitted training step; here the curvature is estimated at
+every second step, the steps in between reuse the cached inverse.
 
 Run it with `python examples/kfac_digits.py` (add `--smoke` for a short run).
 """
@@ -61,25 +63,24 @@ def main(smoke: bool = False) -> dict:
 
     # The Monte-Carlo Fisher (one sampled label per example) is what K-FAC usually
     # uses; `ef.GGN()` or `ef.FisherExact()` work the same way.
-    vgc = ef.value_grad_and_curvature(
-        loss_fn, estimator=ef.FisherMC(), structure=ef.KFAC()
-    )
-    # K-FAC as optax: damped inverse of the averaged curvature, momentum, step size.
-    # The factor eigendecompositions are refreshed every step: for layers this small
-    # they cost little, and early in training, when the curvature changes fastest, an
-    # inverse ten steps old makes the steps too long (this run then diverges).
-    opt = ef.optim.kfac(1e-2, damping=1e-2, momentum=0.9, inverse_every=1)
+    estimator, structure = ef.FisherMC(), ef.KFAC()
+    vgc = ef.value_grad_and_curvature(loss_fn, estimator=estimator, structure=structure)
+    # K-FAC as optax, at its defaults except the learning rate. `like` is the shape of
+    # the curvature the updates will see (no computation): the optimiser state holds
+    # the averaged curvature and its cached inverse from `init` on, so the jitted step
+    # compiles once.
+    sample = (train[0][:batch_size], train[1][:batch_size])
+    like = ef.optim.curvature_like(vgc, model, sample, key=key)
+    opt = ef.optim.kfac(0.1, like=like)
     state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    step = ef.optim.kfac_step(
+        loss_fn,
+        opt,
+        estimator=estimator,
+        structure=structure,
+        curvature_update_period=2,
+    )
 
-    @eqx.filter_jit
-    def step(model, state, batch, key):
-        loss, grads, curv = vgc(model, batch, key=key)
-        params = eqx.filter(model, eqx.is_inexact_array)
-        updates, state = opt.update(grads, state, params, curvature=curv)
-        return eqx.apply_updates(model, updates), state, loss
-
-    # The first update fills the curvature slots of the optimiser state (they start
-    # as `None`), so `step` is traced twice — at steps 1 and 2 — and never again.
     rng = np.random.default_rng(0)
     n = train[0].shape[0]
     evaluate = eqx.filter_jit(loss_fn)

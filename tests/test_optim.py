@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import tree_allclose
 
 import eqfisher as ef
 from eqfisher import optim
@@ -26,6 +27,11 @@ def loss_fn(model, batch):
 VGC = ef.value_grad_and_curvature(loss_fn, estimator=ef.GGN(), structure=ef.KFAC())
 
 
+def _like():
+    model, batch = _problem()
+    return optim.curvature_like(VGC, model, batch)
+
+
 def _step(opt):
     @eqx.filter_jit
     def step(model, state, batch):
@@ -39,7 +45,12 @@ def _step(opt):
 
 def test_first_update_is_damped_natural_gradient():
     model, batch = _problem()
-    opt = optim.kfac_preconditioner(damping=0.1, damping_mode="exact")
+    opt = optim.kfac_preconditioner(
+        like=_like(),
+        damping=0.1,
+        damping_variant=optim.Tikhonov(),
+        norm_constraint=None,
+    )
     params = eqx.filter(model, eqx.is_inexact_array)
     _, grads, curv = VGC(model, batch)
     direction, state = opt.update(grads, opt.init(params), params, curvature=curv)
@@ -56,7 +67,7 @@ def test_factored_damping_is_the_pi_damped_solve():
     model, batch = _problem()
     params = eqx.filter(model, eqx.is_inexact_array)
     _, grads, curv = VGC(model, batch)
-    opt = optim.kfac_preconditioner(damping=0.1)  # "factored" is the default
+    opt = optim.kfac_preconditioner(like=_like(), damping=0.1, norm_constraint=None)
     direction, state = opt.update(grads, opt.init(params), params, curvature=curv)
     leaves = jax.tree_util.tree_leaves(grads)
     got = jax.tree_util.tree_leaves(direction)
@@ -68,7 +79,7 @@ def test_factored_damping_is_the_pi_damped_solve():
     # Between refreshes the cached inverses are reused: with inverse_every=3, the
     # direction of step 5 uses the inverse of the average at step 4.
     opt = optim.kfac_preconditioner(
-        damping=0.1, damping_mode="factored", inverse_every=3
+        like=_like(), damping=0.1, inverse_every=3, norm_constraint=None
     )
     state = opt.init(params)
     for _ in range(4):
@@ -84,11 +95,11 @@ def test_norm_constraint_bounds_the_step_in_the_curvature_metric(constraint):
     model, batch = _problem()
     params = eqx.filter(model, eqx.is_inexact_array)
     _, grads, curv = VGC(model, batch)
-    free = optim.kfac_preconditioner(damping=0.1)
+    free = optim.kfac_preconditioner(like=_like(), damping=0.1, norm_constraint=None)
     direction, _ = free.update(grads, free.init(params), params, curvature=curv)
     lr = 0.5
     opt = optim.kfac_preconditioner(
-        damping=0.1, norm_constraint=constraint, learning_rate=lr
+        like=_like(), damping=0.1, norm_constraint=constraint, learning_rate=lr
     )
     got, _ = opt.update(grads, opt.init(params), params, curvature=curv)
     d, g = (jax.flatten_util.ravel_pytree(t)[0] for t in (direction, grads))
@@ -101,7 +112,7 @@ def test_norm_constraint_bounds_the_step_in_the_curvature_metric(constraint):
 
 def test_factored_damping_trains():
     model, batch = _problem()
-    opt = optim.kfac(0.2, damping=1e-2, damping_mode="factored", inverse_every=3)
+    opt = optim.kfac(0.2, like=_like(), inverse_every=3)
     state = opt.init(eqx.filter(model, eqx.is_inexact_array))
     step = _step(opt)
     first = float(loss_fn(model, batch))
@@ -112,7 +123,7 @@ def test_factored_damping_trains():
 
 def test_average_is_bias_corrected_mean_of_factors():
     model, batch = _problem()
-    opt = optim.kfac_preconditioner(damping=0.1, decay=0.5)
+    opt = optim.kfac_preconditioner(like=_like(), damping=0.1, decay=0.5)
     params = eqx.filter(model, eqx.is_inexact_array)
     state = opt.init(params)
     curvs = []
@@ -129,7 +140,7 @@ def test_average_is_bias_corrected_mean_of_factors():
 
 def test_training_reduces_loss_and_state_is_stable_under_jit():
     model, batch = _problem()
-    opt = optim.kfac(0.05, damping=1e-2, momentum=0.5, inverse_every=3)
+    opt = optim.kfac(0.05, like=_like(), momentum=0.5, inverse_every=3)
     state = opt.init(eqx.filter(model, eqx.is_inexact_array))
     step = _step(opt)
     first = float(loss_fn(model, batch))
@@ -141,7 +152,7 @@ def test_training_reduces_loss_and_state_is_stable_under_jit():
 
 def test_nonfinite_curvature_is_rejected_and_counted():
     model, batch = _problem()
-    opt = optim.kfac_preconditioner(damping=0.1)
+    opt = optim.kfac_preconditioner(like=_like(), damping=0.1)
     params = eqx.filter(model, eqx.is_inexact_array)
     _, grads, curv = VGC(model, batch)
     _, state = opt.update(grads, opt.init(params), params, curvature=curv)
@@ -161,7 +172,7 @@ def test_nonfinite_curvature_is_rejected_and_counted():
 
 def test_nonfinite_first_curvature_gives_no_step():
     model, batch = _problem()
-    opt = optim.kfac_preconditioner(damping=0.1)
+    opt = optim.kfac_preconditioner(like=_like(), damping=0.1)
     params = eqx.filter(model, eqx.is_inexact_array)
     _, grads, curv = VGC(model, batch)
     bad = jax.tree_util.tree_map(lambda x: x * jnp.inf, curv)
@@ -174,6 +185,7 @@ def test_schedules_and_serialisation(tmp_path):
     model, batch = _problem()
     opt = optim.kfac(
         optax.linear_schedule(0.05, 0.01, 10),
+        like=_like(),
         damping=optax.exponential_decay(1e-1, 5, 0.5),
     )
     state = opt.init(eqx.filter(model, eqx.is_inexact_array))
@@ -194,7 +206,7 @@ def test_composes_with_optax_chain_clip_and_mask():
     frozen = ef.filters.optax_mask(model, ef.filters.by_path("layers[0].*"))
     opt = optax.chain(
         optax.clip_by_global_norm(1.0),
-        optim.kfac(0.05),
+        optim.kfac(0.05, like=_like()),
         optax.masked(optax.set_to_zero(), frozen),
     )
     state = opt.init(eqx.filter(model, eqx.is_inexact_array))
@@ -216,28 +228,28 @@ def test_composes_with_optax_chain_clip_and_mask():
 )
 def test_bad_hyperparameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        optim.kfac_preconditioner(**kwargs)
+        optim.kfac_preconditioner(like=_like(), **kwargs)
 
 
-def test_bad_damping_mode():
-    # The runtime type check (a TypeError) or eqfisher's own ValueError, both
-    # naming the argument.
-    with pytest.raises((TypeError, ValueError), match="damping_mode"):
-        optim.kfac_preconditioner(damping=1e-3, damping_mode="pi")
+def test_like_must_be_a_curvature():
+    # The runtime type check (a TypeError naming the argument) or eqfisher's own.
+    with pytest.raises(TypeError, match="like"):
+        optim.kfac_preconditioner(like="curvature")
 
 
-def test_update_without_curvature():
+def test_update_with_a_curvature_unlike_the_template():
     model, batch = _problem()
-    opt = optim.kfac_preconditioner(damping=0.1)
+    other = eqx.nn.MLP(3, 2, 5, 1, activation=jnp.tanh, key=jax.random.key(3))
+    opt = optim.kfac_preconditioner(like=optim.curvature_like(VGC, other, batch))
+    _, grads, curv = VGC(model, batch)
     params = eqx.filter(model, eqx.is_inexact_array)
-    grads = eqx.filter_grad(loss_fn)(model, batch)
-    with pytest.raises(ValueError, match="curvature="):
-        opt.update(grads, opt.init(params), params)
+    with pytest.raises(ValueError, match="like"):
+        opt.update(grads, opt.init(params), params, curvature=curv)
 
 
 def test_adaptive_kfac_chooses_steps_from_the_quadratic_model():
     model, batch = _problem()
-    opt = optim.kfac_adaptive(initial_damping=1.0, adapt_every=2)
+    opt = optim.kfac_adaptive(like=_like(), initial_damping=1.0, adapt_every=2)
     params = eqx.filter(model, eqx.is_inexact_array)
     state = opt.init(params)
 
@@ -276,7 +288,7 @@ def test_adaptive_kfac_chooses_steps_from_the_quadratic_model():
 
 def test_adaptive_kfac_needs_the_quadratic_model():
     model, batch = _problem()
-    opt = optim.kfac_adaptive()
+    opt = optim.kfac_adaptive(like=_like())
     params = eqx.filter(model, eqx.is_inexact_array)
     _, grads, curv = VGC(model, batch)
     with pytest.raises(ValueError, match="quadratic"):
@@ -291,7 +303,16 @@ def test_kfac_on_a_where_subset_inside_optax_masked():
         loss_fn, estimator=ef.GGN(), structure=ef.KFAC(), where=where
     )
     opt = optax.chain(
-        optax.masked(optim.kfac(0.05, damping_mode="exact"), mask),
+        optax.masked(
+            optim.kfac(
+                0.05,
+                like=optim.curvature_like(vgc, model, batch),
+                damping=1e-3,
+                damping_variant=optim.Tikhonov(),
+                norm_constraint=None,
+            ),
+            mask,
+        ),
         optax.masked(optax.sgd(0.1), jax.tree_util.tree_map(lambda m: not m, mask)),
     )
     params = eqx.filter(model, eqx.is_inexact_array)
@@ -304,3 +325,243 @@ def test_kfac_on_a_where_subset_inside_optax_masked():
     np.testing.assert_allclose(
         updates.layers[1].weight, -0.05 * direction.layers[1].weight, atol=1e-12
     )
+
+
+def _leaves_equal(a, b):
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    return len(la) == len(lb) and all(
+        bool(jnp.array_equal(x, y, equal_nan=True)) for x, y in zip(la, lb)
+    )
+
+
+def _kfac_train_step(opt):
+    @eqx.filter_jit
+    def step(params, state, batch):
+        model = eqx.combine(params, STATIC)
+        _, grads, curv = VGC(model, batch)
+        updates, state = opt.update(grads, state, params, curvature=curv)
+        return eqx.apply_updates(params, updates), state
+
+    return step
+
+
+STATIC = eqx.partition(_problem()[0], eqx.is_inexact_array)[1]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda like: optim.kfac(0.1, like=like),
+        lambda like: optim.kfac(0.1, like=like, momentum=0.9, weight_decay=1e-3),
+        lambda like: optim.kfac_preconditioner(
+            like=like, damping_variant=optim.Tikhonov()
+        ),
+    ],
+)
+def test_state_structure_is_fixed_from_init(make):
+    model, batch = _problem()
+    opt = make(_like())
+    params = eqx.filter(model, eqx.is_inexact_array)
+    state0 = opt.init(params)
+    step = _kfac_train_step(opt)
+    state = state0
+    for _ in range(3):
+        params, state = step(params, state, batch)
+        assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(
+            state0
+        )
+        assert [(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(state)] == [
+            (x.shape, x.dtype) for x in jax.tree_util.tree_leaves(state0)
+        ]
+
+
+def test_scan_of_five_steps_equals_the_python_loop_and_compiles_once():
+    model, batch = _problem()
+    opt = optim.kfac(0.1, like=_like(), inverse_every=2)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    traces = []
+
+    def body(carry, _):
+        traces.append(1)  # runs once per trace, not per step
+        p, s = carry
+        _, grads, curv = VGC(eqx.combine(p, STATIC), batch)
+        updates, s = opt.update(grads, s, p, curvature=curv)
+        return (eqx.apply_updates(p, updates), s), None
+
+    step = eqx.filter_jit(lambda carry: body(carry, None)[0])
+    carry = (params, opt.init(params))
+    for _ in range(5):
+        carry = step(carry)
+    assert len(traces) == 1  # one trace for five steps: the state kept its structure
+    scanned = eqx.filter_jit(lambda c: jax.lax.scan(body, c, None, length=5)[0])(
+        (params, opt.init(params))
+    )
+    assert tree_allclose(scanned, carry, rtol=1e-10, atol=1e-12)
+
+
+def test_trained_state_loads_into_a_fresh_init(tmp_path):
+    model, batch = _problem()
+    opt = optim.kfac(0.1, like=_like(), momentum=0.9)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    step = _kfac_train_step(opt)
+    state = opt.init(params)
+    for _ in range(4):
+        params, state = step(params, state, batch)
+    path = tmp_path / "state.eqx"
+    eqx.tree_serialise_leaves(path, state)
+    loaded = eqx.tree_deserialise_leaves(path, opt.init(params))
+    assert _leaves_equal(loaded, state)
+    # And training continues from it exactly as from the original.
+    assert _leaves_equal(step(params, loaded, batch), step(params, state, batch))
+
+
+def _dense_kfac(block):
+    return np.kron(np.asarray(block.g), np.asarray(block.a))
+
+
+@pytest.mark.parametrize("lam", [1e-3, 0.3])
+def test_damping_variants_equal_their_definitions(lam):
+    model, batch = _problem()
+    _, _, curv = VGC(model, batch)
+    for block in curv.blocks.values():
+        a, g = np.asarray(block.a), np.asarray(block.g)
+        dense = block.as_matrix()
+        # Tikhonov: (B + λI)⁻¹, B the dense Kronecker matrix in operand order.
+        exact = np.linalg.inv(np.asarray(dense) + lam * np.eye(dense.shape[0]))
+        got = optim.Tikhonov().precompute(block, jnp.asarray(lam)).as_matrix()
+        np.testing.assert_allclose(got, exact, rtol=1e-8, atol=1e-10)
+        # π-damping: (G + (√λ/π)I)⁻¹ ⊗ (A + π√λI)⁻¹, π² = (tr A/d_A) / (tr G/d_G).
+        pi = np.sqrt((np.trace(a) / a.shape[0]) / (np.trace(g) / g.shape[0]))
+        inv_a = np.linalg.inv(a + pi * np.sqrt(lam) * np.eye(a.shape[0]))
+        inv_g = np.linalg.inv(g + np.sqrt(lam) / pi * np.eye(g.shape[0]))
+        got = optim.FactoredTikhonov().precompute(block, jnp.asarray(lam))
+        np.testing.assert_allclose(got.a, inv_a, rtol=1e-8, atol=1e-10)
+        np.testing.assert_allclose(got.g, inv_g, rtol=1e-8, atol=1e-10)
+        v = tuple(
+            jax.random.normal(jax.random.key(7), s.shape, s.dtype)
+            for s in block.structure
+        )
+        np.testing.assert_allclose(
+            jax.flatten_util.ravel_pytree(block.solve_factored(v, lam))[0],
+            jax.flatten_util.ravel_pytree(got.mv(v))[0],
+            rtol=1e-10,
+            atol=1e-12,
+        )
+
+
+def test_pi_damped_inverse_of_a_zero_block_is_finite():
+    model, batch = _problem()
+    _, _, curv = VGC(model, batch)
+    block = curv.blocks["layers[0]"]
+    zero = jax.tree_util.tree_map(jnp.zeros_like, block)
+    inverse = zero.pi_damped_inverse(0.01)  # π falls back to 1: (√λ)⁻¹I ⊗ (√λ)⁻¹I
+    np.testing.assert_allclose(inverse.a, 10 * np.eye(block.a.shape[0]), rtol=1e-12)
+    np.testing.assert_allclose(inverse.g, 10 * np.eye(block.g.shape[0]), rtol=1e-12)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_nonfinite_guard_keeps_parameters_finite_on_a_nan_batch(momentum):
+    model, batch = _problem()
+    opt = optim.kfac(0.3, like=_like(), momentum=momentum)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    step = _kfac_train_step(opt)
+    state = opt.init(params)
+    params, state = step(params, state, batch)
+    bad = (batch[0].at[3].set(jnp.nan), batch[1])  # NaN statistics and gradients
+    before = params
+    params, state = step(params, state, bad)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
+    if momentum == 0:
+        assert _leaves_equal(params, before)  # no step (momentum alone moves on)
+    kstate = optim.find_kfac_state(state)
+    assert int(kstate.nonfinite_count) == 1 and int(kstate.skipped_count) == 1
+    params, state = step(params, state, batch)  # and training goes on
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
+    assert not _leaves_equal(params, before)
+
+
+def test_amortised_steps_reuse_the_cached_inverse():
+    model, batch = _problem()
+    opt = optim.kfac(0.1, like=_like(), inverse_every=1)
+    calls = []
+
+    def counted_loss(model, batch):
+        return loss_fn(model, batch)
+
+    step = optim.kfac_step(
+        counted_loss,
+        opt,
+        estimator=ef.GGN(),
+        structure=ef.KFAC(),
+        curvature_update_period=3,
+    )
+    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    inverses = []
+    for _ in range(7):
+        model, state, loss = step(model, state, batch)
+        kstate = optim.find_kfac_state(state)
+        calls.append(int(kstate.curvature_count))
+        inverses.append(kstate.inverse)
+    # Statistics at steps 0, 3, 6; the inverse is recomputed only then.
+    assert calls == [1, 1, 1, 2, 2, 2, 3]
+    assert int(kstate.refresh_count) == 3 and int(kstate.count) == 7
+    assert _leaves_equal(inverses[1], inverses[0])
+    assert _leaves_equal(inverses[2], inverses[0])
+    assert not _leaves_equal(inverses[3], inverses[2])
+    # The step compiled once (a jitted function's cache holds one entry).
+    assert step._cached._cache_size() == 1
+
+
+def test_kfac_step_equals_the_hand_written_step():
+    model, batch = _problem()
+    opt = optim.kfac(0.1, like=_like())
+    step = optim.kfac_step(loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC())
+    params = eqx.filter(model, eqx.is_inexact_array)
+    by_hand = _kfac_train_step(opt)
+    state = opt.init(params)
+    m, s = model, state
+    p, t = params, state
+    for _ in range(3):
+        m, s, _ = step(m, s, batch)
+        p, t = by_hand(p, t, batch)
+    assert tree_allclose(eqx.filter(m, eqx.is_inexact_array), p, rtol=1e-12)
+
+
+def test_curvature_from_a_sub_batch():
+    model, batch = _problem()
+    opt = optim.kfac_preconditioner(like=_like(), norm_constraint=None)
+    step = optim.kfac_step(
+        loss_fn,
+        opt,
+        estimator=ef.GGN(),
+        structure=ef.KFAC(),
+        curvature_batch_size=16,
+    )
+    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    new, state, _ = step(model, state, batch)
+    # The statistics are the sub-batch's, the gradient the whole batch's.
+    _, _, sub = VGC(model, (batch[0][:16], batch[1][:16]))
+    grads = eqx.filter_grad(loss_fn)(model, batch)
+    kstate = optim.find_kfac_state(state)
+    for name, block in sub.blocks.items():
+        np.testing.assert_allclose(kstate.curvature.blocks[name].a, block.a, atol=1e-12)
+        np.testing.assert_allclose(kstate.curvature.blocks[name].g, block.g, atol=1e-12)
+    moved = jax.tree.map(
+        lambda a, b: a - b,
+        eqx.filter(new, eqx.is_inexact_array),
+        eqx.filter(model, eqx.is_inexact_array),
+    )
+    expected = kstate.inverse.mv(grads)  # the bare preconditioner: +C⁻¹g
+    assert tree_allclose(moved, expected, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("period", [0, 1.5])
+def test_bad_curvature_update_period(period):
+    with pytest.raises((TypeError, ValueError), match="curvature_update_period"):
+        optim.kfac_step(
+            loss_fn,
+            optim.kfac(0.1, like=_like()),
+            estimator=ef.GGN(),
+            structure=ef.KFAC(),
+            curvature_update_period=period,
+        )

@@ -339,7 +339,8 @@ def test_value_grad_and_curvature_and_kfac_training():
     assert tree_allclose(grads, ref_grads)
     assert len(curv.blocks) == 4
 
-    opt = ef.optim.kfac(0.2, damping=1e-2, inverse_every=1)
+    like = ef.optim.curvature_like(fn, model, batch)
+    opt = ef.optim.kfac(0.2, like=like, damping=1e-2, inverse_every=1)
     params = eqx.filter(model, eqx.is_inexact_array)
     state = opt.init(params)
 

@@ -74,7 +74,8 @@ def test_value_grad_and_curvature_matches_one_device(setup):
 
 def test_kfac_optimiser_matches_one_device(setup):
     vgc = ef.value_grad_and_curvature(loss_fn, estimator=ef.GGN(), structure=ef.KFAC())
-    opt = ef.optim.kfac(0.05, damping=1e-2, inverse_every=2)
+    like = ef.optim.curvature_like(vgc, *setup[0])
+    opt = ef.optim.kfac(0.05, like=like, damping=1e-2, inverse_every=2)
 
     @eqx.filter_jit
     def step(model, state, batch):

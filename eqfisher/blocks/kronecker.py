@@ -1,5 +1,7 @@
 import equinox as eqx
+import jax
 import jax.numpy as jnp
+import jax.scipy.linalg
 from jaxtyping import Array, ArrayLike, Float, ScalarLike
 
 from ._base import (
@@ -33,6 +35,28 @@ def _clamped_eigh(factor: Float[Array, "d d"]) -> Eigh:
     return jnp.maximum(values, 0), vectors
 
 
+def _shifted_inverse(
+    factor: Float[Array, "d d"], shift: Array, eig: Eigh | None
+) -> Float[Array, "d d"]:
+    # (factor + shift·I)⁻¹ for a PSD factor and shift > 0: from the cached
+    # eigendecomposition when there is one, else by Cholesky, falling back to a
+    # clamped eigendecomposition when rounding makes Cholesky fail (float32).
+    def by_eigh(eig):
+        values, vectors = jnp.maximum(eig[0], 0), eig[1]
+        return (vectors / (values + shift)[None, :]) @ vectors.T
+
+    if eig is not None:
+        return by_eigh(eig)
+    eye = jnp.eye(factor.shape[0], dtype=factor.dtype)
+    chol = jnp.linalg.cholesky(factor + shift * eye)
+    inv = jax.scipy.linalg.cho_solve((chol, True), eye)
+    return jax.lax.cond(
+        jnp.all(jnp.isfinite(inv)),
+        lambda: inv,
+        lambda: by_eigh(_clamped_eigh(factor)),
+    )
+
+
 class KroneckerFactored(AbstractBlock):
     """A K-FAC block B = G ⊗ A (Martens & Grosse, 2015).
 
@@ -56,7 +80,7 @@ class KroneckerFactored(AbstractBlock):
         returned in the operand's.
     - `a_eig`, `g_eig`: `None`, or `(eigenvalues, eigenvectors)` of `a` and `g`
         from `precompute()` (eigenvalues clamped at zero: rounding can leave a PSD
-        factor's smallest ones slightly negative); `solve`, `solve_factored`, `logdet` and `eigenvalues`
+        factor's smallest ones slightly negative); `solve`, `pi_damped_inverse`, `logdet` and `eigenvalues`
         reuse them instead of calling `jnp.linalg.eigh`.
 
     `eigenvalues()` is `outer(eig(G), eig(A)).ravel()` (unsorted).
@@ -165,12 +189,39 @@ class KroneckerFactored(AbstractBlock):
         factor = 1 / (s_g[:, None] * s_a[None, :] + damping)
         return self._operand(rotate_scale(matrix, q_g, q_a, factor))
 
-    def solve_factored(self, vector: Operand, damping: ScalarLike) -> Operand:
-        """Martens & Grosse's factored Tikhonov damping: an approximate solve.
+    def pi_damped_inverse(self, damping: ScalarLike) -> "KroneckerFactored":
+        """Martens & Grosse's factored Tikhonov damping, inverted: a Kronecker block.
 
-        Computes (G + (√λ/π)·I)⁻¹ M (A + π√λ·I)⁻¹, i.e. the inverse of
-        (G + (√λ/π)·I) ⊗ (A + π√λ·I), with π = √((tr(A)/d_A) / (tr(G)/d_G)).
-        This is not (B + λ·I)⁻¹ v; use `solve` for the exact damped inverse.
+        Returns (G + (√λ/π)·I)⁻¹ ⊗ (A + π√λ·I)⁻¹ with π = √((tr(A)/d_A) /
+        (tr(G)/d_G)): its `mv` is the π-damped solve, two matrix products. A zero
+        factor (a layer that saw no data) gives π = 0 or ∞; π is then 1. This is not
+        (B + λ·I)⁻¹; use `solve` for the exact damped inverse.
+
+        **Arguments:**
+
+        - `damping`: λ, a positive scalar.
+
+        **Returns:**
+
+        A `KroneckerFactored` with the same layout, holding the two damped inverses.
+        """
+        damping = check_damping(damping, self.a.dtype)
+        d_a, d_g = self.a.shape[0], self.g.shape[0]
+        pi = jnp.sqrt((jnp.trace(self.a) / d_a) / (jnp.trace(self.g) / d_g))
+        pi = jnp.where(jnp.isfinite(pi) & (pi > 0), pi, 1.0).astype(self.a.dtype)
+        root = jnp.sqrt(damping)
+        return KroneckerFactored(
+            _shifted_inverse(self.a, pi * root, self.a_eig),
+            _shifted_inverse(self.g, root / pi, self.g_eig),
+            weight_perm=self.weight_perm,
+            structure=self.structure,
+        )
+
+    def solve_factored(self, vector: Operand, damping: ScalarLike) -> Operand:
+        """The π-damped approximate solve: `pi_damped_inverse(damping).mv(vector)`.
+
+        Computes (G + (√λ/π)·I)⁻¹ M (A + π√λ·I)⁻¹ (see `pi_damped_inverse`). This is
+        not (B + λ·I)⁻¹ v; use `solve` for the exact damped inverse.
 
         **Arguments:**
 
@@ -181,13 +232,8 @@ class KroneckerFactored(AbstractBlock):
 
         A tuple of arrays shaped like `vector`.
         """
-        matrix = self._matrix(vector, "solve_factored")
-        damping = check_damping(damping, self.a.dtype)
-        (s_a, q_a), (s_g, q_g) = self._eighs()
-        pi = jnp.sqrt(jnp.mean(s_a) / jnp.mean(s_g))
-        root = jnp.sqrt(damping)
-        factor = 1 / ((s_g + root / pi)[:, None] * (s_a + pi * root)[None, :])
-        return self._operand(rotate_scale(matrix, q_g, q_a, factor))
+        check_operand(vector, self.structure, "KroneckerFactored.solve_factored")
+        return self.pi_damped_inverse(damping).mv(vector)
 
     def diagonal(self) -> Operand:
         diag = jnp.diagonal(self.g)[:, None] * jnp.diagonal(self.a)[None, :]

@@ -1,0 +1,130 @@
+"""How the K-FAC preconditioner damps the curvature: damping variants as types.
+
+A damping variant turns one curvature block and a damping λ into the block's damped
+inverse, itself a block (`precompute`, once per refresh of the cached inverses);
+preconditioning is then that block's `mv` (every step).
+"""
+
+import abc
+import functools
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from .blocks import (
+    AbstractBlock,
+    Diagonal,
+    EigenKroneckerFactored,
+    Full,
+    KroneckerFactored,
+)
+
+
+class AbstractDamping(eqx.Module):
+    """A way to damp and invert a curvature block for preconditioning."""
+
+    @abc.abstractmethod
+    def precompute(
+        self, block: AbstractBlock, damping: Float[Array, ""]
+    ) -> AbstractBlock:
+        """The damped inverse of `block`, as a block whose `mv` preconditions.
+
+        **Arguments:**
+
+        - `block`: a curvature block.
+        - `damping`: λ > 0.
+
+        **Returns:**
+
+        A block with the same operand structure.
+        """
+
+
+@functools.singledispatch
+def tikhonov_inverse(block: AbstractBlock, damping: Float[Array, ""]) -> AbstractBlock:
+    """(B + λ·I)⁻¹ as a block (exact for the block type)."""
+    raise NotImplementedError(
+        f"`eqfisher.optim`: no damped inverse for a `{type(block).__name__}` block; "
+        "register one with `eqfisher.optim.tikhonov_inverse.register`."
+    )
+
+
+@tikhonov_inverse.register
+def _(block: KroneckerFactored, damping):
+    # (G ⊗ A + λI)⁻¹ = (Q_G ⊗ Q_A) diag(1 / (s_G s_Aᵀ + λ)) (Q_G ⊗ Q_A)ᵀ.
+    block = block if block.a_eig is not None else block.precompute()
+    (s_a, q_a), (s_g, q_g) = block.a_eig, block.g_eig
+    damping = jnp.asarray(damping).astype(q_a.dtype)
+    scales = 1 / (jnp.maximum(s_g, 0)[:, None] * jnp.maximum(s_a, 0)[None, :] + damping)
+    return EigenKroneckerFactored(
+        q_a,
+        q_g,
+        scales.astype(q_a.dtype),
+        weight_perm=block.weight_perm,
+        structure=block.structure,
+    )
+
+
+@tikhonov_inverse.register
+def _(block: EigenKroneckerFactored, damping):
+    damping = jnp.asarray(damping).astype(block.scales.dtype)
+    return EigenKroneckerFactored(
+        block.q_a,
+        block.q_g,
+        (1 / (jnp.maximum(block.scales, 0) + damping)).astype(block.scales.dtype),
+        weight_perm=block.weight_perm,
+        structure=block.structure,
+    )
+
+
+@tikhonov_inverse.register
+def _(block: Diagonal, damping):
+    damping = jnp.asarray(damping).astype(block.diag[0].dtype)
+    return Diagonal(tuple((1 / (jnp.maximum(d, 0) + damping)) for d in block.diag))
+
+
+@tikhonov_inverse.register
+def _(block: Full, damping):
+    damping = jnp.asarray(damping).astype(block.matrix.dtype)
+    values, vectors = jnp.linalg.eigh(block.matrix)
+    inverse = (vectors / (jnp.maximum(values, 0) + damping)[None, :]) @ vectors.T
+    return Full(inverse, block.structure)
+
+
+@functools.singledispatch
+def _factored_inverse(block: AbstractBlock, damping):
+    return tikhonov_inverse(block, damping)
+
+
+@_factored_inverse.register
+def _(block: KroneckerFactored, damping):
+    return block.pi_damped_inverse(damping)
+
+
+class Tikhonov(AbstractDamping):
+    """Exact damping: (B + λ·I)⁻¹ for every block.
+
+    For K-FAC blocks, from the factors' eigendecompositions (an EKFAC-shaped block
+    with scales 1 / (s_G s_A + λ)); four matrix products per layer and step.
+    """
+
+    def precompute(
+        self, block: AbstractBlock, damping: Float[Array, ""]
+    ) -> AbstractBlock:
+        return tikhonov_inverse(block, damping)
+
+
+class FactoredTikhonov(AbstractDamping):
+    """Martens & Grosse's π-damping for K-FAC blocks; exact damping for the others.
+
+    A K-FAC block G ⊗ A becomes (G + (√λ/π)I)⁻¹ ⊗ (A + π√λI)⁻¹
+    (`KroneckerFactored.pi_damped_inverse`): two Cholesky inverses per refresh and
+    two matrix products per layer and step. It damps directions where both factors
+    are small much more than λ·I does.
+    """
+
+    def precompute(
+        self, block: AbstractBlock, damping: Float[Array, ""]
+    ) -> AbstractBlock:
+        return _factored_inverse(block, damping)
