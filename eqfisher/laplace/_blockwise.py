@@ -1,0 +1,144 @@
+"""Block-by-block maps over a `Curvature`'s operand, and the square root of each block
+type's damped inverse (for posterior samples)."""
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, PyTree
+
+from ..blocks import (
+    AbstractBlock,
+    Diagonal,
+    EigenKroneckerFactored,
+    Full,
+    KroneckerFactored,
+)
+from ..blocks._layout import from_matrix, rotate_scale, to_matrix
+from ..curvature import Curvature
+
+
+def block_parts(curv: Curvature) -> list[tuple[str, tuple[int, ...], tuple]]:
+    """`(name, leaf positions, leaf slices)` for each block of `curv`."""
+    slices = curv.leaf_slices or [((),) * len(i) for _, i in curv.leaf_indices]
+    return [(n, i, sl) for (n, i), sl in zip(curv.leaf_indices, slices)]
+
+
+def check_vector(curv: Curvature, vector: PyTree, caller: str) -> list[Array]:
+    leaves = jax.tree_util.tree_leaves(vector)
+    shapes = [s.shape for s in jax.tree_util.tree_leaves(curv.structure)]
+    if [jnp.shape(x) for x in leaves] != shapes:
+        raise ValueError(
+            f"`{caller}`: the vector must have the structure of the parameters the "
+            "posterior covers (its leaves' shapes "
+            f"{[jnp.shape(x) for x in leaves]}, expected {shapes})."
+        )
+    return leaves
+
+
+def map_blocks(
+    curv: Curvature,
+    vector: PyTree,
+    fn: Callable[[str, AbstractBlock, tuple[Array, ...]], tuple[Array, ...]],
+    caller: str,
+) -> PyTree:
+    """Applies `fn(name, block, parts)` to each block's part of `vector`."""
+    leaves = check_vector(curv, vector, caller)
+    out = list(leaves)
+    for name, idx, sl in block_parts(curv):
+        parts = tuple(leaves[i][k] if k else leaves[i] for i, k in zip(idx, sl))
+        for i, k, x in zip(idx, sl, fn(name, curv.blocks[name], parts)):
+            out[i] = out[i].at[k].set(x) if k else x
+    treedef = jax.tree_util.tree_structure(vector)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def block_values(
+    curv: Curvature, vector: PyTree, caller: str
+) -> dict[str, tuple[Array, ...]]:
+    """Each block's part of `vector`, by block name."""
+    leaves = check_vector(curv, vector, caller)
+    return {
+        name: tuple(leaves[i][k] if k else leaves[i] for i, k in zip(idx, sl))
+        for name, idx, sl in block_parts(curv)
+    }
+
+
+def block_size(block: AbstractBlock) -> int:
+    return sum(math.prod(s.shape) for s in block.in_structure())
+
+
+@functools.singledispatch
+def sqrt_inverse_mv(
+    block: AbstractBlock, vector: tuple[Array, ...], scale, prior
+) -> tuple[Array, ...]:
+    """(scale·B + prior·I)^(-1/2) v, the symmetric square root, for one block type.
+
+    Applied to a standard normal v it gives a sample of N(0, (scale·B + prior·I)⁻¹).
+    """
+    raise NotImplementedError(
+        f"`eqfisher.laplace`: posterior samples are not implemented for blocks of type "
+        f"{type(block).__name__}; register one with "
+        "`eqfisher.laplace.sqrt_inverse_mv.register`."
+    )
+
+
+def _cast(values, structure):
+    return tuple(x.astype(s.dtype) for x, s in zip(values, structure))
+
+
+@sqrt_inverse_mv.register
+def _(block: Full, vector, scale, prior):
+    flat = jnp.concatenate([jnp.ravel(x) for x in vector]).astype(block.matrix.dtype)
+    # Rounding can leave a PSD matrix with small negative eigenvalues: clamped, as
+    # `Full.solve` does when its Cholesky factorisation fails.
+    values, vectors = jnp.linalg.eigh(block.matrix)
+    factor = 1 / jnp.sqrt(scale * jnp.maximum(values, 0) + prior)
+    out = vectors @ (factor * (vectors.T @ flat))
+    parts, start = [], 0
+    for s in block.structure:
+        size = math.prod(s.shape)
+        parts.append(out[start : start + size].reshape(s.shape))
+        start += size
+    return _cast(parts, block.structure)
+
+
+@sqrt_inverse_mv.register
+def _(block: Diagonal, vector, scale, prior):
+    out = tuple(
+        x.astype(d.dtype) / jnp.sqrt(scale * d + prior)
+        for d, x in zip(block.diag, vector)
+    )
+    return _cast(out, block.in_structure())
+
+
+@sqrt_inverse_mv.register
+def _(block: KroneckerFactored, vector, scale, prior):
+    block = block.precompute()  # clamps the factors' eigenvalues at zero
+    (s_a, q_a), (s_g, q_g) = block.a_eig, block.g_eig
+    factor = 1 / jnp.sqrt(scale * s_g[:, None] * s_a[None, :] + prior)
+    matrix = to_matrix(
+        tuple(x.astype(block.a.dtype) for x in vector), block.weight_perm, q_g.shape[0]
+    )
+    out = from_matrix(
+        rotate_scale(matrix, q_g, q_a, factor), block.weight_perm, block.structure
+    )
+    return _cast(out, block.structure)
+
+
+@sqrt_inverse_mv.register
+def _(block: EigenKroneckerFactored, vector, scale, prior):
+    factor = 1 / jnp.sqrt(scale * block.scales + prior)
+    matrix = to_matrix(
+        tuple(x.astype(block.scales.dtype) for x in vector),
+        block.weight_perm,
+        block.q_g.shape[0],
+    )
+    out = from_matrix(
+        rotate_scale(matrix, block.q_g, block.q_a, factor),
+        block.weight_perm,
+        block.structure,
+    )
+    return _cast(out, block.structure)

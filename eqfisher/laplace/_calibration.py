@@ -1,0 +1,75 @@
+"""Calibration metrics for class probabilities."""
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+def _picked(probs, labels):
+    return jnp.take_along_axis(probs, labels[:, None], axis=-1)[:, 0]
+
+
+def negative_log_likelihood(
+    probs: Float[Array, "batch classes"], labels: Int[Array, " batch"]
+) -> Float[Array, ""]:
+    """The mean of −log p(label).
+
+    **Arguments:**
+
+    - `probs`: class probabilities.
+    - `labels`: class ids.
+
+    **Returns:**
+
+    A scalar.
+    """
+    tiny = jnp.finfo(probs.dtype).tiny
+    return -jnp.mean(jnp.log(jnp.maximum(_picked(probs, labels), tiny)))
+
+
+def brier_score(
+    probs: Float[Array, "batch classes"], labels: Int[Array, " batch"]
+) -> Float[Array, ""]:
+    """The mean over examples of Σ_k (p_k − 1[k = label])².
+
+    **Arguments:**
+
+    - `probs`: class probabilities.
+    - `labels`: class ids.
+
+    **Returns:**
+
+    A scalar.
+    """
+    onehot = labels[:, None] == jnp.arange(probs.shape[-1], dtype=labels.dtype)[None, :]
+    return jnp.mean(jnp.sum(jnp.square(probs - onehot.astype(probs.dtype)), axis=-1))
+
+
+def expected_calibration_error(
+    probs: Float[Array, "batch classes"],
+    labels: Int[Array, " batch"],
+    *,
+    bins: int = 10,
+) -> Float[Array, ""]:
+    """Σ_bins (n_bin/n)·|accuracy − confidence| over equal-width confidence bins.
+
+    A confidence c falls in bin ⌈c·bins⌉ − 1 (bins are closed on the right, the
+    first also on the left), as in laplace-torch's and torchmetrics' ECE.
+
+    **Arguments:**
+
+    - `probs`: class probabilities.
+    - `labels`: class ids.
+    - `bins`: the number of bins.
+
+    **Returns:**
+
+    A scalar in [0, 1].
+    """
+    conf = jnp.max(probs, axis=-1)
+    correct = (jnp.argmax(probs, axis=-1) == labels).astype(probs.dtype)
+    which = jnp.clip(jnp.ceil(conf * bins).astype(jnp.int32) - 1, 0, bins - 1)
+    onehot = (which[:, None] == jnp.arange(bins, dtype=which.dtype)[None, :]).astype(
+        probs.dtype
+    )
+    gap = jnp.abs(onehot.T @ (correct - conf))
+    return jnp.sum(gap) / probs.shape[0]

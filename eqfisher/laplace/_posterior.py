@@ -1,0 +1,381 @@
+"""`Laplace`: a Gaussian posterior N(θ*, Λ⁻¹) with Λ = (N/(σ²T))·C + diag(δ) built
+from a `Curvature` C of the mean training loss, and `fit`, which builds it."""
+
+import math
+from collections.abc import Callable
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, PyTree, ScalarLike
+
+from ..curvature import Curvature, curvature
+from ..estimators import GGN, AbstractEstimator
+from ..structures import AbstractStructure
+from ..tracing import loss_tags_jvp
+from ._blockwise import block_size, block_values, map_blocks, sqrt_inverse_mv
+
+
+Likelihood = Literal["classification", "regression"]
+
+
+def _prior_dict(curv: Curvature, prior_precision, dtype) -> dict[str, Array]:
+    names = [n for n, _ in curv.leaf_indices]
+    if isinstance(prior_precision, dict):
+        if set(prior_precision) != set(names):
+            raise ValueError(
+                "`eqfisher.laplace.Laplace(..., prior_precision=...)`: a dict needs "
+                f"one scalar per curvature block, keyed {sorted(names)}; got keys "
+                f"{sorted(prior_precision)}."
+            )
+        values = {n: prior_precision[n] for n in names}
+    else:
+        values = {n: prior_precision for n in names}
+    for n, v in values.items():
+        if jnp.shape(v) != ():
+            raise ValueError(
+                "`eqfisher.laplace.Laplace(..., prior_precision=...)`: expected a "
+                f"scalar (or a dict of scalars), got shape {jnp.shape(v)} for `{n}`."
+            )
+    return {n: jnp.asarray(v, dtype) for n, v in values.items()}
+
+
+class Laplace(eqx.Module):
+    """A Laplace approximation N(θ*, Λ⁻¹) of the posterior over (some) parameters.
+
+    The posterior precision is Λ = (N / (σ²·T))·C + diag(δ), where C is the
+    curvature of the *mean* training loss (eqfisher's convention; hence the factor
+    N, the number of training examples), σ the observation noise (regression only;
+    1 for classification), T the temperature and δ the prior precision, one scalar
+    per curvature block. Every product, solve, log-determinant and sample works
+    block by block through the blocks' own methods (eigendecompositions for K-FAC
+    and EKFAC), so any structure and any `where=` subset are covered.
+
+    **Fields:**
+
+    - `curvature`: the `Curvature` C of the mean loss at θ*.
+    - `model`: the model at θ* (the posterior mean for the selected parameters).
+    - `loss`: the mean training loss L(θ*) (the registered loss, without prior).
+    - `num_data`: N, the number of examples the mean loss averages over.
+    - `prior_precision`: a dict from block name to the scalar δ of that block.
+    - `noise_std`: σ (regression); 1 for classification.
+    - `temperature`: T.
+    - `likelihood`: static; `"classification"` or `"regression"`.
+    - `num_outputs`: static; the output size D (the Gaussian normaliser).
+    """
+
+    curvature: Curvature
+    model: PyTree
+    loss: Float[Array, ""]
+    num_data: Float[Array, ""]
+    prior_precision: dict[str, Float[Array, ""]]
+    noise_std: Float[Array, ""]
+    temperature: Float[Array, ""]
+    likelihood: Likelihood = eqx.field(static=True)
+    num_outputs: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        curvature: Curvature,
+        model: PyTree,
+        *,
+        loss: ScalarLike,
+        num_data: ScalarLike,
+        likelihood: Likelihood,
+        prior_precision: ScalarLike | dict[str, ScalarLike] = 1.0,
+        noise_std: ScalarLike = 1.0,
+        temperature: ScalarLike = 1.0,
+        num_outputs: int = 1,
+    ):
+        """**Arguments:**
+
+        - `curvature`: from `eqfisher.curvature(...)` on the mean training loss at
+            the trained parameters (any estimator, structure and `where`).
+        - `model`: the trained model.
+        - `loss`: the mean training loss at `model` (negative log-likelihood per
+            example, as registered: `softmax_cross_entropy`, `squared_error`, ...).
+        - `num_data`: N, the number of training examples.
+        - `likelihood`: `"classification"` (categorical or Bernoulli) or
+            `"regression"` (Gaussian, with `squared_error`'s ½‖y − f‖²).
+        - `prior_precision`: δ, a positive scalar, or a dict with one per block
+            (the names of `curvature.blocks`: per layer with a block structure).
+        - `noise_std`: σ > 0, regression only.
+        - `temperature`: T > 0.
+        - `num_outputs`: D, regression only: the Gaussian normaliser is
+            N·D·log(σ√(2π)).
+        """
+        if likelihood not in ("classification", "regression"):
+            raise ValueError(
+                "`eqfisher.laplace.Laplace(..., likelihood=...)`: expected "
+                f"'classification' or 'regression', got {likelihood!r}."
+            )
+        if likelihood == "classification" and not (
+            isinstance(noise_std, (int, float)) and noise_std == 1
+        ):
+            raise ValueError(
+                "`eqfisher.laplace.Laplace(..., noise_std=...)` applies to "
+                "`likelihood='regression'` only; leave it at 1 for classification."
+            )
+        leaves = jax.tree_util.tree_leaves(curvature.structure)
+        dtype = jnp.result_type(*[s.dtype for s in leaves])
+        self.curvature = curvature
+        self.model = model
+        self.loss = jnp.asarray(loss, dtype)
+        self.num_data = jnp.asarray(num_data, dtype)
+        self.prior_precision = _prior_dict(curvature, prior_precision, dtype)
+        self.noise_std = jnp.asarray(noise_std, dtype)
+        self.temperature = jnp.asarray(temperature, dtype)
+        self.likelihood = likelihood
+        self.num_outputs = int(num_outputs)
+
+    @property
+    def curvature_scale(self) -> Float[Array, ""]:
+        """N / (σ²·T): the factor on C in the posterior precision."""
+        return self.num_data / (self.noise_std**2 * self.temperature)
+
+    @property
+    def mean(self) -> PyTree:
+        """θ*: the selected parameters (others `None`), the posterior mean."""
+        params = eqx.filter(self.model, eqx.is_inexact_array)
+        return jax.tree_util.tree_map(
+            lambda p, s: None if s is None else p, params, self.curvature.structure
+        )
+
+    def replace(
+        self,
+        *,
+        prior_precision: ScalarLike | dict[str, ScalarLike] | None = None,
+        noise_std: ScalarLike | None = None,
+    ) -> "Laplace":
+        """This posterior with other hyperparameters (differentiable in them).
+
+        **Arguments:**
+
+        - `prior_precision`: a scalar or a dict per block; `None` keeps it.
+        - `noise_std`: σ (regression); `None` keeps it.
+
+        **Returns:**
+
+        A `Laplace`.
+        """
+        out = self
+        if prior_precision is not None:
+            dtype = self.loss.dtype
+            new = _prior_dict(self.curvature, prior_precision, dtype)
+            out = eqx.tree_at(lambda p: p.prior_precision, out, new)
+        if noise_std is not None:
+            if self.likelihood != "regression":
+                raise ValueError(
+                    "`Laplace.replace(noise_std=...)` applies to "
+                    "`likelihood='regression'` only."
+                )
+            out = eqx.tree_at(
+                lambda p: p.noise_std, out, jnp.asarray(noise_std, self.loss.dtype)
+            )
+        return out
+
+    def covariance_mv(self, vector: PyTree) -> PyTree:
+        """Λ⁻¹ v, block by block through each block's exact damped solve.
+
+        **Arguments:**
+
+        - `vector`: a PyTree like `mean` (unselected leaves `None`).
+
+        **Returns:**
+
+        Λ⁻¹ v, a PyTree like `vector`.
+        """
+        scale = self.curvature_scale
+
+        def fn(name, block, parts):
+            out = block.solve(parts, self.prior_precision[name] / scale)
+            return tuple(x / scale.astype(x.dtype) for x in out)
+
+        return map_blocks(self.curvature, vector, fn, "Laplace.covariance_mv")
+
+    def precision_mv(self, vector: PyTree) -> PyTree:
+        """Λ v.
+
+        **Arguments:**
+
+        - `vector`: a PyTree like `mean`.
+
+        **Returns:**
+
+        Λ v, a PyTree like `vector`.
+        """
+        scale = self.curvature_scale
+
+        def fn(name, block, parts):
+            out = block.mv(parts)
+            prior = self.prior_precision[name]
+            return tuple(
+                (scale * y + prior * x).astype(x.dtype) for x, y in zip(parts, out)
+            )
+
+        return map_blocks(self.curvature, vector, fn, "Laplace.precision_mv")
+
+    def log_det_precision(self) -> Float[Array, ""]:
+        """log det Λ = Σ_b P_b·log(N/(σ²T)) + log det(B_b + δ_b·σ²T/N)."""
+        scale = self.curvature_scale
+        return sum(
+            block_size(b) * jnp.log(scale) + b.logdet(self.prior_precision[n] / scale)
+            for n, b in self.curvature.blocks.items()
+        )
+
+    def log_likelihood(self) -> Float[Array, ""]:
+        """log p(D | θ*): −N·L/(σ²T), minus N·D·log(σ√(2π)) for regression."""
+        value = -self.num_data * self.loss / (self.noise_std**2 * self.temperature)
+        if self.likelihood == "regression":
+            norm = jnp.log(self.noise_std * math.sqrt(2 * math.pi))
+            value = value - self.num_data * self.num_outputs * norm
+        return value
+
+    def log_marginal_likelihood(self) -> Float[Array, ""]:
+        """The Laplace estimate of log p(D | δ, σ).
+
+        log p(D | θ*) − ½ Σ_b δ_b‖θ*_b‖² + ½ Σ_b P_b log δ_b − ½ log det Λ
+        (the 2π terms of prior and posterior cancel), as in laplace-torch. It is
+        differentiable in `prior_precision` and `noise_std`.
+
+        **Returns:**
+
+        A scalar.
+        """
+        values = block_values(self.curvature, self.mean, "Laplace")
+        scatter = sum(
+            self.prior_precision[n] * sum(jnp.sum(jnp.square(x)) for x in v)
+            for n, v in values.items()
+        )
+        log_det_prior = sum(
+            block_size(b) * jnp.log(self.prior_precision[n])
+            for n, b in self.curvature.blocks.items()
+        )
+        return self.log_likelihood() - 0.5 * (
+            self.log_det_precision() - log_det_prior + scatter
+        )
+
+    def sample(self, key: PRNGKeyArray, num_samples: int) -> PyTree:
+        """Parameters drawn from the posterior, stacked on a leading axis.
+
+        Each block's sample is θ*_b + (s·B_b + δ_b·I)^(-1/2) z, z standard normal,
+        with the square root from the block's eigendecomposition (K-FAC and EKFAC
+        through their eigenbases; `Full` through `eigh`).
+
+        **Arguments:**
+
+        - `key`: a PRNG key.
+        - `num_samples`: how many.
+
+        **Returns:**
+
+        A PyTree like `mean` whose leaves have a leading axis `num_samples`.
+        """
+        structure = self.curvature.structure
+        scale = self.curvature_scale
+
+        def one(k):
+            leaves, treedef = jax.tree_util.tree_flatten(structure)
+            keys = jax.random.split(k, len(leaves))
+            z = jax.tree_util.tree_unflatten(
+                treedef,
+                [
+                    jax.random.normal(kk, s.shape, s.dtype)
+                    for kk, s in zip(keys, leaves)
+                ],
+            )
+
+            def fn(name, block, parts):
+                prior = self.prior_precision[name]
+                return sqrt_inverse_mv(block, parts, scale, prior)
+
+            noise = map_blocks(self.curvature, z, fn, "Laplace.sample")
+            return jax.tree_util.tree_map(lambda m, e: m + e, self.mean, noise)
+
+        return jax.lax.map(one, jax.random.split(key, num_samples))
+
+    def combine(self, theta: PyTree) -> PyTree:
+        """The model with its selected parameters replaced by `theta`.
+
+        **Arguments:**
+
+        - `theta`: a PyTree like `mean`.
+
+        **Returns:**
+
+        The model.
+        """
+        rest = jax.tree_util.tree_map(
+            lambda p, s: p if s is None else None,
+            eqx.filter(self.model, eqx.is_inexact_array),
+            self.curvature.structure,
+        )
+        static = eqx.filter(self.model, eqx.is_inexact_array, inverse=True)
+        return eqx.combine(theta, rest, static)
+
+
+def fit(
+    loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]],
+    model: PyTree,
+    batch: PyTree,
+    *,
+    likelihood: Likelihood,
+    structure: AbstractStructure,
+    estimator: AbstractEstimator = GGN(),  # noqa: B008 (an immutable Module)
+    where=None,
+    key: PRNGKeyArray | None = None,
+    prior_precision: ScalarLike | dict[str, ScalarLike] | ArrayLike = 1.0,
+    noise_std: ScalarLike = 1.0,
+    temperature: ScalarLike = 1.0,
+) -> Laplace:
+    """A Laplace posterior around the trained `model`, from one batch (the data set).
+
+    The curvature is `eqfisher.curvature(loss_fn, model, batch, ...)`; N, D and the
+    mean loss are read from the registered loss (N: its number of examples, or the
+    sum of its mask).
+
+    **Arguments:**
+
+    - `loss_fn`: `loss_fn(model, batch) -> scalar` with one registered loss.
+    - `model`: the trained model (the MAP).
+    - `batch`: the training data.
+    - `likelihood`: `"classification"` or `"regression"`.
+    - `structure`, `estimator`, `where`, `key`: as for `eqfisher.curvature`.
+    - `prior_precision`, `noise_std`, `temperature`: as for `Laplace`.
+
+    **Returns:**
+
+    A `Laplace`.
+    """
+    curv = curvature(
+        loss_fn,
+        model,
+        batch,
+        estimator=estimator,
+        structure=structure,
+        where=where,
+        key=key,
+    )
+    zeros = jax.tree_util.tree_map(
+        jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array)
+    )
+    losses, _ = loss_tags_jvp(loss_fn)(model, batch, zeros)
+    if len(losses) != 1:
+        raise ValueError(
+            f"`eqfisher.laplace.fit(loss_fn, ...)`: `loss_fn` registers {len(losses)} "
+            "losses; a Laplace posterior needs exactly one. Build the `Laplace` "
+            "yourself from a curvature, the loss value and N."
+        )
+    (registered,) = losses
+    return Laplace(
+        curv,
+        model,
+        loss=registered.value(),
+        num_data=jnp.sum(registered.mask),
+        likelihood=likelihood,
+        prior_precision=prior_precision,
+        noise_std=noise_std,
+        temperature=temperature,
+        num_outputs=registered.inputs.shape[-1],
+    )
