@@ -1,6 +1,17 @@
 """eqfisher: curvature for Equinox models, as typed lineax operators."""
 
-from . import blocks as blocks, filters as filters, losses as losses, optim as optim
+from . import (
+    blocks as blocks,
+    filters as filters,
+    losses as losses,
+    optim as optim,
+    spectral as spectral,
+)
+from ._examples import (
+    AbstractExamples as AbstractExamples,
+    IndependentExamples as IndependentExamples,
+    InteractingExamples as InteractingExamples,
+)
 from .curvature import (
     Curvature as Curvature,
     curvature as curvature,

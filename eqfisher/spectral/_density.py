@@ -1,0 +1,227 @@
+"""Spectral densities by stochastic Lanczos quadrature (Papyan, 2020)."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import lineax as lx
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from ._flat import check_count, flatten
+from ._lanczos import lanczos_basis, lanczos_recurrence, tridiagonal_eigh
+
+
+def _bumps(grid, nodes, weights, sigma):
+    """Σ_r Σ_j w_rj N(grid; node_rj, σ²) / repeats."""
+    z = (grid[:, None, None] - nodes[None]) / sigma
+    g = jnp.exp(-0.5 * z**2) / (sigma * math.sqrt(2 * math.pi))
+    return jnp.sum(weights[None] * g, axis=(1, 2)) / nodes.shape[0]
+
+
+def _check_shape(caller: str, points: int, kappa: float, margin: float) -> None:
+    check_count(points, "points", caller, minimum=2)
+    if not kappa > 1:
+        raise ValueError(f"`{caller}(kappa=...)` must be greater than 1, got {kappa}.")
+    if not margin >= 0:
+        raise ValueError(f"`{caller}(margin=...)` must be >= 0, got {margin}.")
+
+
+class Quadrature(eqx.Module):
+    """Gauss quadrature rules from Lanczos runs, one per random starting vector v:
+    Σⱼ weights[r, j]·f(nodes[r, j]) = vᵣᵀ f(A) vᵣ for polynomials f of degree below
+    2·iterations, and ≈ tr f(A)/size on average over the runs.
+
+    **Fields:**
+
+    - `nodes`: `(repeats, iterations)`, the Ritz values of each run.
+    - `weights`: `(repeats, iterations)`, non-negative, each row summing to one.
+    """
+
+    nodes: Float[Array, "repeats m"]
+    weights: Float[Array, "repeats m"]
+
+    def density(
+        self,
+        *,
+        points: int = 1024,
+        kappa: float = 3.0,
+        margin: float = 0.05,
+        boundaries: tuple[float, float] | None = None,
+    ) -> tuple[Float[Array, " points"], Float[Array, " points"]]:
+        """The spectral density p(λ) = (1/size) Σᵢ δ(λ − λᵢ), smoothed (Papyan's
+        algorithm 2): each node becomes a Gaussian bump whose width is set by `kappa`
+        on the spectrum mapped to [−1, 1].
+
+        **Arguments:**
+
+        - `points`: the grid's resolution.
+        - `kappa`: the bumps' width parameter, > 1 (larger: narrower bumps).
+        - `margin`: the grid extends this fraction of the spectrum's width beyond
+          `boundaries`.
+        - `boundaries`: `(λ_min, λ_max)`; default the extreme nodes.
+
+        **Returns:**
+
+        `(grid, density)`, both of shape `(points,)`; the density integrates to
+        about one over the grid.
+        """
+        _check_shape("eqfisher.spectral.Quadrature.density", points, kappa, margin)
+        low, high = self._boundaries(self.nodes, boundaries)
+        pad = margin * (high - low)
+        low, high = low - pad, high + pad
+        centre, half = (high + low) / 2, (high - low) / 2
+        sigma = 2 / (self.nodes.shape[1] - 1) / math.sqrt(8 * math.log(kappa))
+        grid = jnp.linspace(-1, 1, points, dtype=self.nodes.dtype)
+        normalised = (self.nodes - centre) / half
+        return grid * half + centre, _bumps(
+            grid, normalised, self.weights, sigma
+        ) / half
+
+    def log_density(
+        self,
+        *,
+        points: int = 1024,
+        kappa: float = 1.04,
+        margin: float = 0.05,
+        boundaries: tuple[float, float] | None = None,
+        epsilon: float = 1e-5,
+    ) -> tuple[Float[Array, " points"], Float[Array, " points"]]:
+        """The density of the spectrum on a logarithmic scale (Papyan's section C.7):
+        the bumps are placed at log(|λ| + ε), so eigenvalues spread over orders of
+        magnitude are resolved alike.
+
+        **Arguments:**
+
+        - `points`, `kappa`, `margin`: as in `density`, on the log scale.
+        - `boundaries`: `(min |λ|, max |λ|)`; default the extreme |nodes|.
+        - `epsilon`: the shift ε > 0 keeping log finite at zero eigenvalues.
+
+        **Returns:**
+
+        `(grid, density)`: `grid` log-spaced values of |λ| + ε; `density` the
+        density of |λ| + ε per unit of λ (plot it with a logarithmic x-axis).
+        """
+        _check_shape("eqfisher.spectral.Quadrature.log_density", points, kappa, margin)
+        if not epsilon > 0:
+            raise ValueError(
+                "`eqfisher.spectral.Quadrature.log_density(epsilon=...)` must be "
+                f"positive, got {epsilon}."
+            )
+        magnitudes = jnp.abs(self.nodes)
+        low, high = self._boundaries(magnitudes, boundaries)
+        low, high = jnp.log(low + epsilon), jnp.log(high + epsilon)
+        pad = margin * (high - low)
+        low, high = low - pad, high + pad
+        centre, half = (high + low) / 2, (high - low) / 2
+        sigma = 2 / (self.nodes.shape[1] - 1) / math.sqrt(8 * math.log(kappa))
+        grid = jnp.linspace(-1, 1, points, dtype=self.nodes.dtype)
+        normalised = (jnp.log(magnitudes + epsilon) - centre) / half
+        values = jnp.exp(grid * half + centre)
+        return values, _bumps(grid, normalised, self.weights, sigma) / (half * values)
+
+    @staticmethod
+    def _boundaries(nodes, boundaries):
+        if boundaries is None:
+            return jnp.min(nodes), jnp.max(nodes)
+        low, high = boundaries
+        return jnp.asarray(low, nodes.dtype), jnp.asarray(high, nodes.dtype)
+
+
+def lanczos_quadrature(
+    operator: lx.AbstractLinearOperator,
+    *,
+    iterations: int,
+    key: PRNGKeyArray,
+    repeats: int = 1,
+    reorthogonalise: bool = True,
+) -> Quadrature:
+    """Stochastic Lanczos quadrature: one Lanczos run per random unit vector.
+
+    `repeats` runs, batched with `jax.vmap`, each of `iterations` products.
+
+    **Arguments:**
+
+    - `operator`: a symmetric lineax operator over parameter PyTrees.
+    - `iterations`: Lanczos steps per run (the number of nodes).
+    - `key`: a PRNG key for the starting vectors.
+    - `repeats`: the number of runs (random vectors) averaged.
+    - `reorthogonalise`: full reorthogonalisation (default; memory `iterations` ×
+      the number of parameters per run) or the plain three-term recurrence of
+      Papyan's algorithm (memory of a few vectors; spurious copies of converged
+      Ritz values, which share their weight).
+
+    **Returns:**
+
+    A [`eqfisher.spectral.Quadrature`][]; call its `density()` or `log_density()`.
+
+    ```python
+    q = ef.spectral.lanczos_quadrature(hessian, iterations=80, key=key, repeats=4)
+    grid, density = q.density()
+    ```
+    """
+    caller = "eqfisher.spectral.lanczos_quadrature"
+    check_count(iterations, "iterations", caller, minimum=2)
+    check_count(repeats, "repeats", caller)
+    flat = flatten(operator, caller)
+    if reorthogonalise and iterations > flat.size:
+        raise ValueError(
+            f"`{caller}(iterations={iterations})` must be at most the operator's size "
+            f"{flat.size} with `reorthogonalise=True`."
+        )
+
+    def run(k):
+        if reorthogonalise:
+            alpha, beta, _ = lanczos_basis(flat, iterations, k)
+        else:
+            alpha, beta = lanczos_recurrence(flat, iterations, k)
+        theta, y = tridiagonal_eigh(alpha, beta)
+        return theta, y[0] ** 2
+
+    nodes, weights = jax.vmap(run)(jax.random.split(key, repeats))
+    return Quadrature(nodes, weights)
+
+
+def spectral_density(
+    operator: lx.AbstractLinearOperator,
+    *,
+    iterations: int,
+    key: PRNGKeyArray,
+    repeats: int = 1,
+    points: int = 1024,
+    kappa: float | None = None,
+    margin: float = 0.05,
+    boundaries: tuple[float, float] | None = None,
+    log: bool = False,
+    epsilon: float = 1e-5,
+) -> tuple[Float[Array, " points"], Float[Array, " points"]]:
+    """The smoothed spectral density of a symmetric operator, by stochastic Lanczos
+    quadrature (Papyan, 2020): `lanczos_quadrature(...)` then its `density(...)`, or
+    `log_density(...)` with `log=True`.
+
+    **Arguments:**
+
+    - `operator`, `iterations`, `key`, `repeats`: as in
+      [`eqfisher.spectral.lanczos_quadrature`][] (with reorthogonalisation).
+    - `points`, `kappa`, `margin`, `boundaries`: as in
+      [`eqfisher.spectral.Quadrature.density`][]; `kappa` defaults to 3 (1.04 with
+      `log=True`, the values of Papyan and curvlinops).
+    - `log`: the density of log(|λ| + `epsilon`) instead (see
+      [`eqfisher.spectral.Quadrature.log_density`][]).
+
+    **Returns:**
+
+    `(grid, density)`, both of shape `(points,)`, ready to plot.
+
+    ```python
+    grid, density = ef.spectral.spectral_density(ggn, iterations=60, key=key)
+    plt.semilogy(grid, density)
+    ```
+    """
+    q = lanczos_quadrature(operator, iterations=iterations, key=key, repeats=repeats)
+    if kappa is None:
+        kappa = 1.04 if log else 3.0
+    options = dict(points=points, kappa=kappa, margin=margin, boundaries=boundaries)
+    if log:
+        return q.log_density(**options, epsilon=epsilon)
+    return q.density(**options)

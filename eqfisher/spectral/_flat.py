@@ -1,0 +1,140 @@
+"""A lineax operator over parameter PyTrees, seen as a matrix on flat vectors."""
+
+import math
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import lineax as lx
+import numpy as np
+from jaxtyping import Array, Float, PRNGKeyArray
+
+
+Distribution = Literal["rademacher", "normal"]
+DISTRIBUTIONS = ("rademacher", "normal")
+
+
+class FlatOperator(eqx.Module):
+    """`operator` acting on flat vectors, the `ravel_pytree` order of its operand.
+
+    Products with several vectors at once (the columns of a matrix) run through
+    `jax.vmap` of the operator's `mv`, or `jax.lax.map` in chunks of `batch_size`
+    columns when that is set (to bound memory).
+    """
+
+    operator: lx.AbstractLinearOperator
+    treedef: object = eqx.field(static=True)
+    shapes: tuple[tuple[int, ...], ...] = eqx.field(static=True)
+    dtype: object = eqx.field(static=True)
+    symmetric: bool = eqx.field(static=True)
+    batch_size: int | None = eqx.field(static=True)
+
+    @property
+    def size(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+    def ravel(self, tree) -> Float[Array, " size"]:
+        leaves = jax.tree_util.tree_leaves(tree)
+        return jnp.concatenate([jnp.ravel(x).astype(self.dtype) for x in leaves])
+
+    def unravel(self, flat: Float[Array, " size"]):
+        offsets = np.cumsum([0] + [math.prod(s) for s in self.shapes])
+        leaves = [
+            flat[a:b].reshape(s) for a, b, s in zip(offsets, offsets[1:], self.shapes)
+        ]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def _columns(self, fn, vectors: Float[Array, "size k"]) -> Float[Array, "size k"]:
+        if self.batch_size is None:
+            return jax.vmap(fn, in_axes=1, out_axes=1)(vectors)
+        return jax.lax.map(fn, vectors.T, batch_size=self.batch_size).T
+
+    def matmat(self, vectors: Float[Array, "size k"]) -> Float[Array, "size k"]:
+        """A V, one operator product per column of V."""
+        return self._columns(
+            lambda v: self.ravel(self.operator.mv(self.unravel(v))), vectors
+        )
+
+    def rmatmat(self, vectors: Float[Array, "size k"]) -> Float[Array, "size k"]:
+        """Aᵀ V (the same products as `matmat` for a symmetric operator)."""
+        if self.symmetric:
+            return self.matmat(vectors)
+        transposed = self.operator.transpose()
+        return self._columns(
+            lambda v: self.ravel(transposed.mv(self.unravel(v))), vectors
+        )
+
+
+def flatten(
+    operator: lx.AbstractLinearOperator, caller: str, batch_size: int | None = None
+) -> FlatOperator:
+    """`operator` as a `FlatOperator`, after checking it is square with one dtype."""
+    if not isinstance(operator, lx.AbstractLinearOperator):
+        raise TypeError(
+            f"`{caller}(operator, ...)`: `operator` must be a lineax operator (e.g. "
+            f"eqfisher.curvature(...), eqfisher.ggn_operator(...), "
+            f"lineax.MatrixLinearOperator(...)), got {type(operator).__name__}."
+        )
+    structure = operator.in_structure()
+    leaves, treedef = jax.tree_util.tree_flatten(structure)
+    out_leaves, out_treedef = jax.tree_util.tree_flatten(operator.out_structure())
+    shapes = tuple(tuple(s.shape) for s in leaves)
+    if out_treedef != treedef or tuple(tuple(s.shape) for s in out_leaves) != shapes:
+        raise ValueError(
+            f"`{caller}(operator, ...)`: `operator` must be square (its output "
+            "structure the same as its input structure), as curvature operators are."
+        )
+    dtypes = {jnp.dtype(s.dtype) for s in leaves}
+    if len(dtypes) != 1 or not jnp.issubdtype(next(iter(dtypes)), jnp.floating):
+        raise TypeError(
+            f"`{caller}(operator, ...)`: the operand's leaves must share one floating "
+            f"dtype, got {sorted(str(d) for d in dtypes)}; cast the model first, e.g. "
+            "`jax.tree.map(lambda x: x.astype(jnp.float32), model)`."
+        )
+    if batch_size is not None and not (isinstance(batch_size, int) and batch_size > 0):
+        raise ValueError(
+            f"`{caller}(..., batch_size=...)` must be a positive integer or None (one "
+            f"vmap over all vectors), got {batch_size!r}."
+        )
+    return FlatOperator(
+        operator,
+        treedef,
+        shapes,
+        next(iter(dtypes)),
+        _is_symmetric(operator),
+        batch_size,
+    )
+
+
+def _is_symmetric(operator: lx.AbstractLinearOperator) -> bool:
+    # A user's operator type that lineax was not told about counts as unsymmetric:
+    # its transpose is then used where one is needed.
+    try:
+        return bool(lx.is_symmetric(operator))
+    except NotImplementedError:
+        return False
+
+
+def check_distribution(distribution: str, caller: str) -> None:
+    if distribution not in DISTRIBUTIONS:
+        raise ValueError(
+            f"`{caller}(distribution=...)` must be one of {DISTRIBUTIONS}, "
+            f"got {distribution!r}."
+        )
+
+
+def random_vectors(
+    key: PRNGKeyArray, size: int, count: int, distribution: Distribution, dtype
+) -> Float[Array, "size count"]:
+    """`count` independent vectors with E[v vᵀ] = I, as the columns of a matrix."""
+    if distribution == "rademacher":
+        return jax.random.rademacher(key, (size, count), dtype=dtype)
+    return jax.random.normal(key, (size, count), dtype=dtype)
+
+
+def check_count(value: int, name: str, caller: str, *, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(
+            f"`{caller}({name}=...)` must be an integer >= {minimum}, got {value!r}."
+        )

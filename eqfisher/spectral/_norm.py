@@ -1,0 +1,49 @@
+"""Hutchinson's estimator of the squared Frobenius norm."""
+
+import jax.numpy as jnp
+import lineax as lx
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from ._flat import (
+    Distribution,
+    check_count,
+    check_distribution,
+    flatten,
+    random_vectors,
+)
+
+
+def squared_frobenius_norm(
+    operator: lx.AbstractLinearOperator,
+    *,
+    matvecs: int,
+    key: PRNGKeyArray,
+    distribution: Distribution = "rademacher",
+    batch_size: int | None = None,
+) -> Float[Array, ""]:
+    """A randomised estimate of ‖A‖_F² = tr(AᵀA) ≈ (1/m) Σᵢ ‖A wᵢ‖².
+
+    Unbiased; with Rademacher vectors its variance is 2(‖AᵀA‖_F² − Σⱼ (AᵀA)ⱼⱼ²)/m.
+
+    **Arguments:**
+
+    - `operator`: a square lineax operator over parameter PyTrees.
+    - `matvecs`: m, the number of products.
+    - `key`: a PRNG key for the random vectors.
+    - `distribution`: `"rademacher"` (default) or `"normal"`.
+    - `batch_size`: as in [`eqfisher.spectral.trace`][].
+
+    **Returns:**
+
+    A scalar.
+
+    ```python
+    f2 = ef.spectral.squared_frobenius_norm(ggn, matvecs=50, key=key)
+    ```
+    """
+    caller = "eqfisher.spectral.squared_frobenius_norm"
+    check_count(matvecs, "matvecs", caller)
+    check_distribution(distribution, caller)
+    flat = flatten(operator, caller, batch_size)
+    w = random_vectors(key, flat.size, matvecs, distribution, flat.dtype)
+    return jnp.sum(flat.matmat(w) ** 2) / matvecs

@@ -1,0 +1,287 @@
+"""Randomised trace and diagonal estimators: Hutchinson, Hutch++ (and Diag++), XTrace
+(and XDiag)."""
+
+import abc
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import lineax as lx
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+
+from ._flat import (
+    Distribution,
+    FlatOperator,
+    check_count,
+    check_distribution,
+    flatten,
+    random_vectors,
+)
+
+
+class AbstractTraceEstimator(eqx.Module):
+    """A randomised estimator of the trace and of the diagonal of a square operator,
+    from `matvecs` operator products with random vectors.
+
+    Pass one to [`eqfisher.spectral.trace`][] or [`eqfisher.spectral.diagonal`][].
+    Every estimator here is unbiased; they differ in variance. `distribution` is
+    that of the random vectors' entries: `"rademacher"` (±1, the lower variance) or
+    `"normal"`.
+    """
+
+    matvecs: eqx.AbstractVar[int]
+    distribution: eqx.AbstractVar[Distribution]
+
+    @abc.abstractmethod
+    def trace(self, operator: FlatOperator, key: PRNGKeyArray) -> Float[Array, ""]:
+        """The trace estimate of `operator` (flattened) from `self.matvecs` products."""
+
+    @abc.abstractmethod
+    def diagonal(
+        self, operator: FlatOperator, key: PRNGKeyArray
+    ) -> Float[Array, " size"]:
+        """The diagonal estimate of `operator` (flattened), a flat vector."""
+
+    def _vectors(self, key, operator: FlatOperator, count: int):
+        name = type(self).__name__
+        if count > operator.size:
+            raise ValueError(
+                f"`{name}(matvecs={self.matvecs})` draws {count} vectors, more than the "
+                f"operator's size {operator.size}: lower `matvecs`, or compute the "
+                "quantity exactly from `operator.as_matrix()`."
+            )
+        return random_vectors(
+            key, operator.size, count, self.distribution, operator.dtype
+        )
+
+
+class Hutchinson(AbstractTraceEstimator):
+    """Hutchinson's estimator: tr(A) ≈ (1/m) Σᵢ wᵢᵀ A wᵢ and diag(A) ≈ (1/m) Σᵢ wᵢ ⊙ A wᵢ.
+
+    With Rademacher vectors the trace estimate has variance
+    2(‖A‖_F² − Σⱼ Aⱼⱼ²)/m (symmetric A), the diagonal entry j variance
+    Σ_{l≠j} Aⱼₗ²/m.
+
+    **Arguments:**
+
+    - `matvecs`: m, the number of products (and random vectors).
+    - `distribution`: `"rademacher"` (default) or `"normal"`.
+    """
+
+    matvecs: int = eqx.field(static=True)
+    distribution: Distribution = eqx.field(static=True, default="rademacher")
+
+    def __check_init__(self):
+        check_count(self.matvecs, "matvecs", "eqfisher.spectral.Hutchinson")
+        check_distribution(self.distribution, "eqfisher.spectral.Hutchinson")
+
+    def trace(self, operator: FlatOperator, key: PRNGKeyArray) -> Float[Array, ""]:
+        w = self._vectors(key, operator, self.matvecs)
+        return jnp.sum(w * operator.matmat(w)) / self.matvecs
+
+    def diagonal(
+        self, operator: FlatOperator, key: PRNGKeyArray
+    ) -> Float[Array, " size"]:
+        w = self._vectors(key, operator, self.matvecs)
+        return jnp.mean(w * operator.matmat(w), axis=1)
+
+
+class HutchPlusPlus(AbstractTraceEstimator):
+    """Hutch++ (Meyer, Musco, Musco and Woodruff, 2021) and its diagonal analogue
+    Diag++ (Baston and Nakatsukasa, 2022).
+
+    A third of the products sketch the range of A (Q = orth(A S)), where the trace
+    (or diagonal of Q Qᵀ A) is computed exactly; the rest goes to Hutchinson's
+    estimator on the complement I − Q Qᵀ. Exact when rank(A) ≤ `matvecs`/3.
+
+    **Arguments:**
+
+    - `matvecs`: the number of products, a multiple of 3.
+    - `distribution`: `"rademacher"` (default) or `"normal"`.
+    """
+
+    matvecs: int = eqx.field(static=True)
+    distribution: Distribution = eqx.field(static=True, default="rademacher")
+
+    def __check_init__(self):
+        check_count(
+            self.matvecs, "matvecs", "eqfisher.spectral.HutchPlusPlus", minimum=3
+        )
+        check_distribution(self.distribution, "eqfisher.spectral.HutchPlusPlus")
+        if self.matvecs % 3:
+            raise ValueError(
+                "`eqfisher.spectral.HutchPlusPlus(matvecs=...)` must be a multiple of "
+                f"3 (sketch, its trace, the complement), got {self.matvecs}."
+            )
+
+    def _sketch(self, operator: FlatOperator, key: PRNGKeyArray):
+        n = self.matvecs // 3
+        sketch_key, test_key = jax.random.split(key)
+        q, _ = jnp.linalg.qr(operator.matmat(self._vectors(sketch_key, operator, n)))
+        return q, self._vectors(test_key, operator, n)
+
+    def trace(self, operator: FlatOperator, key: PRNGKeyArray) -> Float[Array, ""]:
+        q, g = self._sketch(operator, key)
+        exact = jnp.sum(q * operator.matmat(q))
+        apg = operator.matmat(g - q @ (q.T @ g))
+        papg = apg - q @ (q.T @ apg)
+        return exact + jnp.sum(g * papg) / g.shape[1]
+
+    def diagonal(
+        self, operator: FlatOperator, key: PRNGKeyArray
+    ) -> Float[Array, " size"]:
+        q, g = self._sketch(operator, key)
+        exact = jnp.sum(q * operator.rmatmat(q), axis=1)  # diag(Q Qᵀ A)
+        ag = operator.matmat(g)
+        return exact + jnp.mean(g * (ag - q @ (q.T @ ag)), axis=1)
+
+
+def _leave_one_out(r: Float[Array, "k k"]) -> Float[Array, "k k"]:
+    """Column i: a unit vector orthogonal to every column of `r` but the i-th.
+
+    Q (I − sᵢsᵢᵀ) Qᵀ then projects onto the range of the sketch without its i-th
+    vector. An SVD rather than R⁻ᵀ (Epperly et al.'s formula) keeps this finite when
+    the sketch is rank-deficient (a low-rank curvature): any null direction serves.
+    """
+    k = r.shape[0]
+
+    def one(i):
+        u, _, _ = jnp.linalg.svd(jnp.where(jnp.arange(k) == i, 0, r))
+        return u[:, -1]
+
+    return jax.vmap(one, out_axes=1)(jnp.arange(k))
+
+
+def _deflate(x: Float[Array, "k k"], s: Float[Array, "k k"]) -> Float[Array, "k k"]:
+    """Column i of `x` times (I − sᵢsᵢᵀ)."""
+    return x - s * jnp.sum(s * x, axis=0, keepdims=True)
+
+
+class XTrace(AbstractTraceEstimator):
+    """XTrace and XDiag (Epperly, Tropp and Webber, 2024): Hutch++ with every random
+    vector used both in the sketch and as a test vector (exchangeability).
+
+    Half of the products sketch the range of A with k = `matvecs`/2 vectors, the
+    other half apply A to its orthonormal basis. The estimate averages, over i, the
+    exact part in the basis without vector i plus Hutchinson's estimate with vector
+    i on its complement. Exact when rank(A) < `matvecs`/2.
+
+    **Arguments:**
+
+    - `matvecs`: the number of products, an even number.
+    - `distribution`: `"rademacher"` (default) or `"normal"`.
+    """
+
+    matvecs: int = eqx.field(static=True)
+    distribution: Distribution = eqx.field(static=True, default="rademacher")
+
+    def __check_init__(self):
+        check_count(self.matvecs, "matvecs", "eqfisher.spectral.XTrace", minimum=4)
+        check_distribution(self.distribution, "eqfisher.spectral.XTrace")
+        if self.matvecs % 2:
+            raise ValueError(
+                "`eqfisher.spectral.XTrace(matvecs=...)` must be even (a sketch and "
+                f"the products with its basis), got {self.matvecs}."
+            )
+
+    def _sketch(self, operator: FlatOperator, key: PRNGKeyArray):
+        w = self._vectors(key, operator, self.matvecs // 2)
+        y = operator.matmat(w)
+        q, r = jnp.linalg.qr(y)
+        return w, y, q, _leave_one_out(r)
+
+    def trace(self, operator: FlatOperator, key: PRNGKeyArray) -> Float[Array, ""]:
+        w, y, q, s = self._sketch(operator, key)
+        aq = operator.matmat(q)
+        h = q.T @ aq
+        exact = jnp.trace(h) - jnp.sum(s * (h @ s), axis=0)
+        apw = y - aq @ _deflate(q.T @ w, s)
+        papw = apw - q @ _deflate(q.T @ apw, s)
+        return jnp.mean(exact + jnp.sum(w * papw, axis=0))
+
+    def diagonal(
+        self, operator: FlatOperator, key: PRNGKeyArray
+    ) -> Float[Array, " size"]:
+        w, y, q, s = self._sketch(operator, key)
+        atq = operator.rmatmat(q)  # (Qᵀ A)ᵀ
+        k = w.shape[1]
+        exact = jnp.sum(q * atq, axis=1) - jnp.sum((q @ s) * (atq @ s), axis=1) / k
+        complement = y - q @ _deflate(q.T @ y, s)
+        return exact + jnp.mean(w * complement, axis=1)
+
+
+def _check_estimator(estimator, caller: str) -> None:
+    if not isinstance(estimator, AbstractTraceEstimator):
+        raise TypeError(
+            f"`{caller}(operator, estimator, ...)`: `estimator` must be an "
+            "eqfisher.spectral estimator such as Hutchinson(matvecs=100), "
+            f"HutchPlusPlus(matvecs=99) or XTrace(matvecs=100), got {estimator!r}."
+        )
+
+
+def trace(
+    operator: lx.AbstractLinearOperator,
+    estimator: AbstractTraceEstimator,
+    *,
+    key: PRNGKeyArray,
+    batch_size: int | None = None,
+) -> Float[Array, ""]:
+    """A randomised estimate of the trace of a square operator.
+
+    **Arguments:**
+
+    - `operator`: a lineax operator over parameter PyTrees, e.g. from
+      `eqfisher.curvature`, `eqfisher.ggn_operator` or `eqfisher.hessian_operator`.
+    - `estimator`: `Hutchinson(matvecs=...)`, `HutchPlusPlus(matvecs=...)` or
+      `XTrace(matvecs=...)`.
+    - `key`: a PRNG key for the random vectors.
+    - `batch_size`: `None` (default) applies the operator to all vectors in one
+      `jax.vmap`; an integer applies it to that many at a time (`jax.lax.map`), to
+      bound memory.
+
+    **Returns:**
+
+    A scalar.
+
+    ```python
+    ggn = ef.ggn_operator(loss_fn, model, batch)
+    t = ef.spectral.trace(ggn, ef.spectral.XTrace(matvecs=40), key=key)
+    ```
+    """
+    caller = "eqfisher.spectral.trace"
+    _check_estimator(estimator, caller)
+    return estimator.trace(flatten(operator, caller, batch_size), key)
+
+
+def diagonal(
+    operator: lx.AbstractLinearOperator,
+    estimator: AbstractTraceEstimator,
+    *,
+    key: PRNGKeyArray,
+    batch_size: int | None = None,
+) -> PyTree[Float[Array, "..."]]:
+    """A randomised estimate of the diagonal of a square operator.
+
+    `Hutchinson` is Hutchinson's diagonal estimator, `HutchPlusPlus` is Diag++,
+    `XTrace` is XDiag.
+
+    **Arguments:**
+
+    - `operator`: a lineax operator over parameter PyTrees.
+    - `estimator`: `Hutchinson(matvecs=...)`, `HutchPlusPlus(matvecs=...)` or
+      `XTrace(matvecs=...)`.
+    - `key`: a PRNG key for the random vectors.
+    - `batch_size`: as in [`eqfisher.spectral.trace`][].
+
+    **Returns:**
+
+    The diagonal as a PyTree like the operator's operand (the parameters).
+
+    ```python
+    d = ef.spectral.diagonal(ggn, ef.spectral.XTrace(matvecs=40), key=key)
+    ```
+    """
+    caller = "eqfisher.spectral.diagonal"
+    _check_estimator(estimator, caller)
+    flat = flatten(operator, caller, batch_size)
+    return flat.unravel(estimator.diagonal(flat, key))
