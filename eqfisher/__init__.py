@@ -3,6 +3,8 @@
 from . import (
     blocks as blocks,
     filters as filters,
+    influence as influence,
+    laplace as laplace,
     losses as losses,
     optim as optim,
     spectral as spectral,
