@@ -22,14 +22,14 @@ import pytest
 EXAMPLES = pathlib.Path(__file__).parents[1] / "examples"
 
 
-def run(name: str) -> dict:
+def run(name: str, **kwargs) -> dict:
     spec = importlib.util.spec_from_file_location(
         f"eqfisher_example_{name}", EXAMPLES / f"{name}.py"
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     with jax.numpy_dtype_promotion("standard"):
-        return module.main(smoke=True)
+        return module.main(smoke=True, **kwargs)
 
 
 def test_every_example_is_tested():
@@ -100,6 +100,16 @@ def test_influence():
     assert r["influence"][r["helpful"][0]] < 0 < r["influence"][r["harmful"][0]]
 
 
+def test_edge_of_stability(tmp_path):
+    r = run("edge_of_stability", out=str(tmp_path / "eos.png"))
+    assert (tmp_path / "eos.png").stat().st_size > 0
+    assert r["losses"][-1] < 0.5 * r["losses"][0]
+    assert np.all(np.asarray(r["hessian_top"]) > 0)
+    assert np.all(np.isfinite(r["ggn_top"]))
+    # Lanczos (20 products) against eigvalsh of the dense jax.hessian, float32.
+    assert r["lanczos_top"] == pytest.approx(r["dense_top"], rel=1e-3)
+
+
 def test_api_reference_covers_every_public_name():
     import eqfisher
 
@@ -134,7 +144,7 @@ def test_api_reference_covers_every_public_name():
     missing = [
         f"{m.__name__}.{n}"
         for m in (eqfisher, eqfisher.filters, eqfisher.blocks, eqfisher.optim)
-        + (eqfisher.losses,)
+        + (eqfisher.losses, eqfisher.spectral)
         for n, obj in public(m).items()
         if not inspect.ismodule(obj) and id(obj) not in documented
     ]

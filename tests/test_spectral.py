@@ -14,6 +14,8 @@ on low rank, Lanczos over the whole space) the tolerance is 1e-8 relative.
 """
 
 import functools as ft
+import pathlib
+import re
 
 import equinox as eqx
 import jax
@@ -473,3 +475,15 @@ def test_normal_vectors_unbiased():
     samples = np.asarray(many(lambda o, k: sp.trace(o, est, key=k), op, KEYS))
     var = 2 * np.sum(a**2) / 12  # Gaussian: 2‖A‖_F²/m
     check_mean(samples, np.trace(a), np.sqrt(var / REPEATS), "normal")
+
+
+def test_docs_example_runs():
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "spectral.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", text, flags=re.S)[0]
+    scope: dict = {}
+    with jax.numpy_dtype_promotion("standard"):
+        exec(compile(code, "docs/spectral.md", "exec"), scope)
+    assert (
+        np.isfinite(scope["values"][0]) and scope["values"][0] <= scope["high"] + 1e-4
+    )
+    assert scope["grid"].shape == scope["log_density"].shape == (1024,)
