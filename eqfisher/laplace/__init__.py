@@ -10,7 +10,10 @@ from ._calibration import (
     expected_calibration_error as expected_calibration_error,
     negative_log_likelihood as negative_log_likelihood,
 )
-from ._marglik import optimize_hyperparameters as optimize_hyperparameters
+from ._marglik import (
+    marglik_training as marglik_training,
+    optimize_hyperparameters as optimize_hyperparameters,
+)
 from ._posterior import Laplace as Laplace, fit as fit
 from ._predictive import (
     glm_predictive as glm_predictive,
