@@ -9,6 +9,11 @@ from . import (
     optim as optim,
     spectral as spectral,
 )
+from ._examples import (
+    AbstractExamples as AbstractExamples,
+    IndependentExamples as IndependentExamples,
+    InteractingExamples as InteractingExamples,
+)
 from .curvature import (
     Curvature as Curvature,
     curvature as curvature,

@@ -2,14 +2,17 @@
 exact per-example parameter vectors for the structures that need them."""
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from ._examples import leaf_axes
 from ._program import VarMap
 from .layers import LayerRecord
+from .losses import loss_tag_p
 from .tracing import ProcessedTrace, Split, Traced, split
 
 
@@ -174,11 +177,12 @@ def layer_outputs_vjp(
     curvature vectors never transposes the loss computation after the tags.
     """
     points = list({id(r.outputs): r.outputs for r in layers}.values())
+    coefs = processed.coefficients(s.inputs)
 
     def forward(p_leaves, perturb):
         ev = processed.run(list(p_leaves) + s.others + s.batch, perturb)
         tag_inputs = tuple(t[0] for t in ev.tags)
-        aux = (processed.losses(ev), tuple(ev.read(r.inputs) for r in layers))
+        aux = (processed.losses(ev, coefs), tuple(ev.read(r.inputs) for r in layers))
         return tag_inputs, aux
 
     zero = VarMap.zeros(points)
@@ -193,38 +197,98 @@ def layer_outputs_vjp(
     return (outputs, tags), vjp, aux, grad_vjp
 
 
+def _loss_axis(full: tuple[int, ...], one: tuple[int, ...], n: int) -> int | None:
+    """The axis where a loss's full-batch shape has `n` and its one-example shape 1."""
+    if len(full) != len(one):
+        return None
+    diff = [i for i, (a, b) in enumerate(zip(full, one)) if a != b]
+    if not diff:
+        return 0 if n == 1 else None
+    if len(diff) == 1 and full[diff[0]] == n and one[diff[0]] == 1:
+        return diff[0]
+    return None
+
+
+INTERACTION = (
+    "examples interact inside `loss_fn`: the registered loss outputs of an example "
+    "computed alone differ from that example's outputs in the full batch, so the "
+    "per-example Jacobians that Dense, BlockDiagonal, Diagonal, EKFAC's scales and "
+    "K-FAC's diagonal blocks use would be wrong. Likely causes: BatchNorm with batch "
+    "statistics (eqx.nn.BatchNorm in training mode, either `mode`); a batch whose "
+    "example axis is not the first (time-major `(T, N, F)` data: pass "
+    "`examples=eqfisher.IndependentExamples(axis=...)`); randomness shared across "
+    "the batch (one dropout key for all examples: split one key per example). "
+    "Fix: pass `examples=eqfisher.InteractingExamples()` for the exact curvature "
+    "from full-batch products (cost ∝ batch × outputs), run the model in inference "
+    "mode, or use structure=eqfisher.KFAC() on its layers."
+)
+
+
 def per_example_vectors(
     traced: Traced,
     model,
     batch,
-    vectors: tuple[Array, ...],
+    per_loss: Sequence[Array],
+    full_inputs: Sequence[Array],
+    prepare: Callable[[list[Array]], tuple[Array, ...]],
     selected: Sequence[int],
+    axis,
 ) -> list[Array]:
     """Uₙₖ = Jₙᵀ V[k, n] for every example n and vector k, for the selected leaves.
 
-    The batch is split into examples along the leading axis of each of its array
-    leaves and `loss_fn` re-traced on one example; the loss weights come from the
-    full batch (inside `vectors`). Returns one `(N·K, *leaf.shape)` array per
-    selected leaf.
+    The batch is split into examples along `axis` (see `IndependentExamples`) and
+    `loss_fn` re-traced on one example; each loss's example axis is where its
+    one-example outputs have size 1. The loss weights come from the full batch
+    (inside `per_loss`, each `(k, *leading, out)`); `prepare` turns the vectors,
+    with the example axis moved first, into stacked per-example vectors. The
+    one-example outputs are checked against `full_inputs` (an `eqx.error_if`).
+    Returns one `(N·K, *leaf.shape)` array per selected leaf.
     """
+    caller = traced.caller
     s = split(model, batch)
-    sizes = {x.shape[0] if x.ndim else None for x in s.batch}
-    n = vectors[0].shape[1]
-    if sizes != {n} or any(v.shape[1] != n for v in vectors):
+    axes = leaf_axes(axis, batch, caller)
+    sizes = {x.shape[a] for x, a in zip(s.batch, axes) if a is not None and a < x.ndim}
+    if len(sizes) != 1 or any(
+        a is not None and a >= x.ndim for x, a in zip(s.batch, axes)
+    ):
         raise ValueError(
-            f"`{traced.caller}`: this structure needs per-example Jacobians, so every "
-            "array in `batch` and every registered loss must share a leading example "
-            f"axis; got batch leading sizes {sorted(map(str, sizes))} and loss "
-            f"leading sizes {[v.shape[1] for v in vectors]}. Models whose examples "
-            "interact (BatchNorm in batch mode) have no per-example Jacobians; use "
-            "structure=eqfisher.KFAC() on layers only (`where=`), or the exact "
-            "matrix-free eqfisher.ggn_operator."
+            f"`{caller}`: this structure needs per-example Jacobians, so the arrays "
+            "in `batch` must share an example axis of one size; got sizes "
+            f"{sorted(sizes)} along the example axes {axes} of arrays shaped "
+            f"{[tuple(x.shape) for x in s.batch]}. Say where the example axis is "
+            "with `examples=eqfisher.IndependentExamples(axis=...)`, or pass "
+            "`examples=eqfisher.InteractingExamples()` (exact, from full-batch "
+            "products)."
         )
-    one = jax.tree_util.tree_map(
-        lambda x: x[:1] if hasattr(x, "shape") and x.ndim else x, batch
+    (n,) = sizes
+    one_leaves = [
+        x if a is None else jax.lax.slice_in_dim(x, 0, 1, axis=a)
+        for x, a in zip(s.batch, axes)
+    ]
+    b_dyn, b_static = eqx.partition(batch, eqx.is_array)
+    one = eqx.combine(
+        jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(b_dyn), one_leaves),
+        b_static,
     )
     s1 = split(model, one)
     processed = traced.trace(s1)
+    one_shapes = [
+        n_.eqn.invars[0].aval.shape
+        for n_ in processed.program.nodes
+        if n_.eqn.primitive is loss_tag_p
+    ]
+    loss_axes = [_loss_axis(x.shape, sh, n) for x, sh in zip(full_inputs, one_shapes)]
+    if None in loss_axes:
+        raise ValueError(
+            f"`{caller}`: this structure needs per-example Jacobians, but a "
+            "registered loss has no example axis of size "
+            f"{n}: its outputs are shaped {[tuple(x.shape) for x in full_inputs]} "
+            f"for the batch and {[tuple(sh) for sh in one_shapes]} for one example. "
+            "Say where the example axis is with "
+            "`examples=eqfisher.IndependentExamples(axis=...)`, or pass "
+            "`examples=eqfisher.InteractingExamples()`."
+        )
+    vectors = prepare([jnp.moveaxis(v, 1 + a, 1) for v, a in zip(per_loss, loss_axes)])
     selected = list(selected)
 
     def example(ex_leaves, v):
@@ -232,14 +296,26 @@ def per_example_vectors(
             p = list(s.params)
             for i, leaf in zip(selected, sel):
                 p[i] = leaf
-            ev = processed.run(p + s.others + [x[None] for x in ex_leaves])
-            return tuple(t[0] for t in ev.tags)
+            leaves = [
+                x if a is None else jnp.expand_dims(x, a)
+                for x, a in zip(ex_leaves, axes)
+            ]
+            ev = processed.run(p + s.others + leaves)
+            return tuple(jnp.squeeze(t[0], a) for t, a in zip(ev.tags, loss_axes))
 
-        _, vjp = jax.vjp(fn, [s.params[i] for i in selected])
-        return jax.vmap(lambda c: vjp(tuple(x[None] for x in c))[0])(v)
+        outs, vjp = jax.vjp(fn, [s.params[i] for i in selected])
+        rows = jax.vmap(lambda c: vjp(tuple(c))[0])(v)
+        return rows, outs
 
+    in_axes = ([a for a in axes], 0)
     vs = tuple(jnp.moveaxis(v, 1, 0) for v in vectors)  # (N, K, ...)
-    out = jax.vmap(example)(s.batch, vs)
+    out, alone = jax.vmap(example, in_axes=in_axes)(s.batch, vs)
+    mismatch = jnp.asarray(False)
+    for x, a, y in zip(full_inputs, loss_axes, alone):
+        x = jnp.moveaxis(x, a, 0)
+        tol = jnp.sqrt(jnp.finfo(x.dtype).eps) * (1 + jnp.max(jnp.abs(x)))
+        mismatch = mismatch | (jnp.max(jnp.abs(x - y)) > tol)
+    out = [eqx.error_if(x, mismatch, f"`{caller}`: {INTERACTION}") for x in out]
     return [x.reshape((-1,) + x.shape[2:]) for x in out]
 
 

@@ -5,6 +5,8 @@ import equinox as eqx
 import jax
 from jaxtyping import PyTree
 
+from . import _compat
+
 
 def _stop_hessian_call(static: PyTree, dynamic: PyTree) -> PyTree:
     fn, args, kwargs = eqx.combine(dynamic, static)
@@ -43,6 +45,28 @@ def _strong(x: Any) -> Any:
     return x
 
 
+def _marker_jvp(primals, tangents):
+    return hessian_stopped_p.bind(*primals), _compat.instantiate_zeros(tangents[0])
+
+
+def _marker_batch(args, dims):
+    (x,), (d,) = args, dims
+    return hessian_stopped_p.bind(_compat.move_batch_axis(x, d, x.shape[d])), 0
+
+
+# Marks each output of `stop_hessian`, so that eqfisher's tracer knows that the
+# value adds no curvature (see `eqfisher._objective`).
+hessian_stopped_p = _compat.define_identity_primitive(
+    "eqfisher_hessian_stopped", _marker_jvp, _marker_batch
+)
+
+
+def _mark(x: Any) -> Any:
+    if eqx.is_inexact_array(x):
+        return hessian_stopped_p.bind(x)
+    return x
+
+
 class _StopHessian(eqx.Module):
     fn: Callable[..., PyTree]
 
@@ -55,7 +79,7 @@ class _StopHessian(eqx.Module):
         # become leaves of `fn` and so inputs like any other.
         fn = eqx.filter_closure_convert(self.fn, *args, **kwargs)
         dynamic, static = eqx.partition((fn, args, kwargs), eqx.is_array)
-        return _call(static, dynamic)
+        return jax.tree_util.tree_map(_mark, _call(static, dynamic))
 
 
 def stop_hessian(fn: Callable[..., PyTree]) -> Callable[..., PyTree]:

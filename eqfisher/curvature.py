@@ -13,6 +13,7 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree, ScalarLike
 
 from . import _statistics as stats, filters
+from ._examples import AbstractExamples, IndependentExamples, InteractingExamples
 from .blocks import (
     AbstractBlock,
     Diagonal as DiagonalBlock,
@@ -24,11 +25,20 @@ from .blocks._base import register_psd_operator
 from .blocks._layout import to_matrix
 from .estimators import (
     AbstractEstimator,
+    full_batch_split,
     loss_vectors,
     per_example_split,
     stacked_vectors,
 )
-from .structures import EKFAC, AbstractStructure, BlockDiagonal, Dense, Group, groups
+from .structures import (
+    EKFAC,
+    AbstractStructure,
+    BlockDiagonal,
+    Dense,
+    Group,
+    groups,
+    matrix_gib,
+)
 from .tracing import Traced, split
 
 
@@ -98,7 +108,8 @@ class Curvature(lx.AbstractLinearOperator):
         eigendecompositions)."""
         return self._map(vector, lambda b, v: b.solve(v, damping), "solve")
 
-    def as_matrix(self) -> Float[Array, "size size"]:
+    def as_matrix(self, max_gib: float | int = 1.0) -> Float[Array, "size size"]:
+        """The dense matrix; a `ValueError` when it would take over `max_gib` GiB."""
         sizes = [math.prod(s.shape) for s in jax.tree_util.tree_leaves(self.structure)]
         offsets = np.cumsum([0] + sizes)
         # The statistics' dtype: float32 for a bfloat16 model.
@@ -107,6 +118,14 @@ class Curvature(lx.AbstractLinearOperator):
                 *[s.dtype for s in jax.tree_util.tree_leaves(self.structure)]
             )
         )
+        gib = matrix_gib(sizes, dtype)
+        if gib > max_gib:
+            raise ValueError(
+                f"`Curvature.as_matrix()`: the {offsets[-1]:,}² matrix would take "
+                f"{gib:.2f} GiB, above `max_gib` = {max_gib}. Use `mv`, `solve`, "
+                "`diagonal`, `logdet`, or one block's `curv.blocks[name].as_matrix()`"
+                "; or raise the limit with `as_matrix(max_gib=...)`."
+            )
         out = jnp.zeros((offsets[-1], offsets[-1]), dtype)
         shapes = [s.shape for s in jax.tree_util.tree_leaves(self.structure)]
         for name, idx, sl in self._parts():
@@ -154,7 +173,12 @@ class Curvature(lx.AbstractLinearOperator):
 register_psd_operator(Curvature)
 
 
-def _check_args(caller: str, estimator, structure, key) -> None:
+def _check_args(caller: str, estimator, structure, key, examples) -> None:
+    if not isinstance(examples, AbstractExamples):
+        raise TypeError(
+            f"`{caller}(..., examples=...)`: expected eqfisher.IndependentExamples() "
+            f"or eqfisher.InteractingExamples(), got {examples!r}."
+        )
     if not isinstance(estimator, AbstractEstimator):
         raise TypeError(
             f"`{caller}(..., estimator=...)`: expected an estimator such as "
@@ -172,6 +196,42 @@ def _check_args(caller: str, estimator, structure, key) -> None:
         )
 
 
+def _select(model: PyTree, where, caller: str) -> list[int]:
+    """The positions of the selected parameter leaves; a `ValueError` when none is."""
+    leaves = jax.tree_util.tree_leaves(model)
+    is_param = [eqx.is_inexact_array(x) for x in leaves]
+    flags = [True] * len(leaves)
+    if where is not None and any(is_param):
+        try:
+            flags = jax.tree_util.tree_leaves(filters.mask(model, where))
+        except ValueError as e:
+            # Reported below, in the words of this call (and as for no parameters).
+            if "selects no parameter" not in str(e):
+                raise
+            flags = [False] * len(leaves)
+    selected = [f for f, p in zip(flags, is_param) if p]
+    if not any(selected):
+        paths = [
+            jax.tree_util.keystr(p)
+            for p, x in jax.tree_util.tree_flatten_with_path(model)[0]
+            if eqx.is_inexact_array(x)
+        ]
+        more = f" (and {len(paths) - 5} more)" if len(paths) > 5 else ""
+        raise ValueError(
+            f"`{caller}`: no parameter selected: the parameters are the "
+            "floating-point array leaves of `model` (eqx.filter(model, "
+            "eqx.is_inexact_array)) that `where` selects; `model` has "
+            f"{', '.join(paths[:5]) or 'none'}{more}"
+            + (f", and `where` = {where!r} selects none of them" if paths else "")
+            + ". Pass a model with floating-point parameters, or a `where` selecting "
+            "some."
+        )
+    return [i for i, f in enumerate(selected) if f]
+
+
+INDEPENDENT = IndependentExamples()
+
+
 class _Builder(eqx.Module):
     """Shared by `curvature` and `value_grad_and_curvature`."""
 
@@ -180,15 +240,12 @@ class _Builder(eqx.Module):
     structure: AbstractStructure
     where: object = eqx.field(static=True)
     caller: str = eqx.field(static=True)
+    examples: AbstractExamples = INDEPENDENT
 
     def __call__(self, model, batch, key, *, full: bool, cotangent_fn=None):
+        selected = _select(model, self.where, self.caller)
         s = split(model, batch)
         processed = self.traced.trace(s)
-        if self.where is None:
-            selected = list(range(processed.num_params))
-        else:
-            flags = jax.tree_util.tree_leaves(filters.optax_mask(model, self.where))
-            selected = [i for i, f in enumerate(flags) if f]
         grouping = groups(self.structure, processed, selected, self.caller)
         kron = [g for g in grouping if g.kronecker]
         records = [r for g in kron for r in g.records]
@@ -210,8 +267,23 @@ class _Builder(eqx.Module):
         if need_examples:
             parts = sorted({i for g in need_examples for i in g.leaves})
             leaves = sorted({processed.units[i][0] for i in parts})
-            exact = stacked_vectors(per_example_split(self.estimator, per_loss))
-            vecs = stats.per_example_vectors(self.traced, model, batch, exact, leaves)
+            if isinstance(self.examples, InteractingExamples):
+                full_vectors = stacked_vectors(
+                    full_batch_split(self.estimator, per_loss, self.examples.axis)
+                )
+                p_ct, _ = jax.vmap(vjp)(full_vectors)
+                vecs = [p_ct[i] for i in leaves]
+            else:
+                vecs = stats.per_example_vectors(
+                    self.traced,
+                    model,
+                    batch,
+                    per_loss,
+                    [loss.inputs for loss in losses],
+                    lambda v: stacked_vectors(per_example_split(self.estimator, v)),
+                    leaves,
+                    self.examples.axis,
+                )
             by_leaf = dict(zip(leaves, vecs))
             for i in parts:
                 leaf, index = processed.units[i]
@@ -302,6 +374,7 @@ def curvature(
     structure: AbstractStructure,
     key: PRNGKeyArray | None = None,
     where=None,
+    examples: AbstractExamples = INDEPENDENT,
 ) -> Curvature:
     """The curvature of the value `loss_fn(model, batch)` returns.
 
@@ -315,21 +388,28 @@ def curvature(
     - `structure`: `Dense()`, `BlockDiagonal()`, `Diagonal()`, `KFAC()` or `EKFAC()`.
     - `key`: a PRNG key, needed by `FisherMC`.
     - `where`: a filter (`eqfisher.filters`) restricting the parameters covered.
+    - `examples`: `IndependentExamples(axis=0)` (default) or
+      `InteractingExamples()`: how the batch's examples relate inside `loss_fn`,
+      for the structures that need per-example vectors.
 
     **Returns:**
 
     A `Curvature`, a lineax operator over the (selected) parameters.
     """
-    _check_args("eqfisher.curvature", estimator, structure, key)
-    return _curvature_jit(loss_fn, model, batch, estimator, structure, key, where)
+    _check_args("eqfisher.curvature", estimator, structure, key, examples)
+    return _curvature_jit(
+        loss_fn, model, batch, estimator, structure, key, where, examples
+    )
 
 
 # Compiled even when called eagerly: the interpreted program would otherwise run op
 # by op. Inside an outer `jit` this is an ordinary nested call.
 @eqx.filter_jit
-def _curvature_jit(loss_fn, model, batch, estimator, structure, key, where):
+def _curvature_jit(loss_fn, model, batch, estimator, structure, key, where, examples):
     caller = "eqfisher.curvature"
-    builder = _Builder(Traced(loss_fn, caller), estimator, structure, where, caller)
+    builder = _Builder(
+        Traced(loss_fn, caller), estimator, structure, where, caller, examples
+    )
     return builder(model, batch, key, full=False)[0]
 
 
@@ -341,6 +421,7 @@ def value_grad_and_curvature(
     has_aux: bool = False,
     surrogate: bool = False,
     where=None,
+    examples: AbstractExamples = INDEPENDENT,
 ) -> Callable:
     """Loss, gradient and curvature from one forward pass and one stacked VJP.
 
@@ -350,7 +431,7 @@ def value_grad_and_curvature(
       `(loss, aux)` with `has_aux=True`, or `(loss, gradient_surrogate)` with
       `surrogate=True` (gradients are those of the surrogate, the value reported is
       the loss, curvature that of the registered losses).
-    - `estimator`, `structure`, `where`: as for `eqfisher.curvature`.
+    - `estimator`, `structure`, `where`, `examples`: as for `eqfisher.curvature`.
 
     **Returns:**
 
@@ -364,24 +445,26 @@ def value_grad_and_curvature(
     caller = "eqfisher.value_grad_and_curvature"
     if has_aux and surrogate:
         raise ValueError(f"`{caller}`: pass at most one of `has_aux` and `surrogate`.")
-    traced = Traced(loss_fn, caller)
+    returns = "aux" if has_aux else "surrogate" if surrogate else "loss"
+    traced = Traced(loss_fn, caller, returns)
 
     def cotangent_fn(outputs):
         which = 1 if surrogate else 0
+        # Outputs may be Python scalars (an aux built from shapes): `jnp.shape`.
         return tuple(
             (jnp.ones_like(o) if i == which else jnp.zeros_like(o))
-            if jnp.issubdtype(o.dtype, jnp.inexact)
-            else np.zeros(o.shape, jax.dtypes.float0)
+            if jnp.issubdtype(jnp.result_type(o), jnp.inexact)
+            else np.zeros(jnp.shape(o), jax.dtypes.float0)
             for i, o in enumerate(outputs)
         )
 
     def fn(model, batch, *, key=None):
-        _check_args(caller, estimator, structure, key)
+        _check_args(caller, estimator, structure, key, examples)
         return compiled(model, batch, key)
 
     @eqx.filter_jit
     def compiled(model, batch, key):
-        builder = _Builder(traced, estimator, structure, where, caller)
+        builder = _Builder(traced, estimator, structure, where, caller, examples)
         curv, outputs, grads, s = builder(
             model, batch, key, full=True, cotangent_fn=cotangent_fn
         )

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from ._examples import split_along
 from .tracing import RegisteredLoss
 
 
@@ -154,6 +155,17 @@ def per_example_split(
     if not isinstance(estimator, (GGN, FisherExact)):
         return per_loss
     return [v if v.ndim <= 3 else _per_position(v) for v in per_loss]
+
+
+def full_batch_split(
+    estimator: AbstractEstimator, per_loss: list[Array], axis: int
+) -> list[Array]:
+    """The vectors whose full-batch pullbacks give the exact curvature when
+    examples interact: for `GGN` and `FisherExact` one per position (every leading
+    axis), for the others one per example (`axis` of the leading axes)."""
+    if isinstance(estimator, (GGN, FisherExact)):
+        return [split_along(v, tuple(range(v.ndim - 2))) for v in per_loss]
+    return [split_along(v, (axis,)) for v in per_loss]
 
 
 def stacked_vectors(per_loss: list[Array]) -> tuple[Array, ...]:

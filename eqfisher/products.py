@@ -23,11 +23,12 @@ def _tag_fn(loss_fn: Callable, model: PyTree, batch: PyTree, caller: str):
     """`(params_tree -> tag inputs)`, the registered losses, and rebuild helpers."""
     s = split(model, batch)
     processed = Traced(loss_fn, caller).trace(s)
+    coefs = processed.coefficients(s.inputs)
 
     def fn(params):
         leaves = jax.tree_util.tree_leaves(params)
         ev = processed.run(leaves + s.others + s.batch)
-        return tuple(t[0] for t in ev.tags), processed.losses(ev)
+        return tuple(t[0] for t in ev.tags), processed.losses(ev, coefs)
 
     return fn, eqx.filter(model, eqx.is_inexact_array)
 

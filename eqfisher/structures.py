@@ -12,9 +12,11 @@ An embedding's K-FAC input factor is diagonal (token frequencies), stored densel
 """
 
 import dataclasses
+import math
 from typing import Literal
 
 import equinox as eqx
+import jax.numpy as jnp
 
 from .layers import LayerRecord
 from .tracing import ProcessedTrace
@@ -24,8 +26,26 @@ class AbstractStructure(eqx.Module):
     """How the curvature is approximated."""
 
 
+GIB = 2**30
+
+
+def matrix_gib(sizes: list[int], dtype) -> float:
+    """GiB of a dense square matrix over parameters of these sizes (statistics
+    are at least float32)."""
+    n = sum(sizes)
+    return n * n * max(jnp.dtype(dtype).itemsize, 4) / GIB
+
+
 class Dense(AbstractStructure):
-    """One dense matrix over all selected parameters (small models only)."""
+    """One dense matrix over all selected parameters (small models only).
+
+    **Arguments:**
+
+    - `max_gib`: the largest matrix, in GiB, that `Dense()` builds (default 1); a
+      larger one raises a `ValueError` giving its size.
+    """
+
+    max_gib: float = eqx.field(static=True, default=1.0)
 
 
 class BlockDiagonal(AbstractStructure):
@@ -117,6 +137,18 @@ def groups(
     for a stacked leaf read by a scan, its per-step units.
     """
     if isinstance(structure, Dense):
+        avals = [processed.program.invars[i].aval for i in selected]
+        sizes = [math.prod(a.shape) for a in avals]
+        gib = matrix_gib(sizes, jnp.result_type(*[a.dtype for a in avals]))
+        if gib > structure.max_gib:
+            raise ValueError(
+                f"`{caller}(..., structure=eqfisher.Dense())`: the dense matrix over "
+                f"{sum(sizes):,} parameters would take {gib:.2f} GiB, above "
+                f"`max_gib` = {structure.max_gib}. Use structure=eqfisher.KFAC(), "
+                "BlockDiagonal() or Diagonal(), select fewer parameters with "
+                "`where=`, use the matrix-free eqfisher.ggn_operator, or raise the "
+                "limit with eqfisher.Dense(max_gib=...)."
+            )
         return [Group("all", tuple(selected), (), False)]
     selected = processed.parts(selected)
     chosen = set(selected)

@@ -8,17 +8,17 @@ with the parameters known by their model paths. Everything here runs inside
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PyTree
 
-from . import _compat
-from ._program import Evaluation, Program, VarMap, evaluate, flatten
+from . import _compat, _objective
+from ._program import Evaluation, Program, PVar, VarMap, evaluate, flatten
 from .layers import LayerInfo, LayerRecord, detect, sources, unit_paths
-from .losses import AbstractLossFamily, loss_tag_p
+from .losses import AbstractLossFamily, loss_tag_p, loss_value_tag_p
 
 
 _REGISTRATION = (
@@ -28,16 +28,28 @@ _REGISTRATION = (
 
 
 class RegisteredLoss(eqx.Module):
-    """One registered loss as seen during a pass: its family and its operands."""
+    """One registered loss as seen during a pass: its family, its operands, and its
+    coefficient in the value `loss_fn` returns.
+
+    `coefficient` is the derivative of the returned value with respect to this
+    loss's value: a scalar, or one per lane when the registration was `jax.vmap`ped
+    (the lanes are the leading axes of `inputs`).
+    """
 
     family: AbstractLossFamily = eqx.field(static=True)
     inputs: Float[Array, "*leading out"]
     targets: Array
     mask: Float[Array, "*leading"]
+    coefficient: Float[Array, "*lanes"]
 
     def weights(self) -> Float[Array, "*leading"]:
-        """Each example's weight in the loss value: mask / Σ mask (1/N without mask)."""
-        return self.mask / jnp.sum(self.mask)
+        """Each example's weight in the returned value: coefficient · mask / Σ mask
+        (coefficient / N without mask), Σ over each lane."""
+        lanes = self.coefficient.ndim
+        rest = self.mask.ndim - lanes
+        axes = tuple(range(lanes, self.mask.ndim))
+        w = self.mask / jnp.sum(self.mask, axis=axes, keepdims=True)
+        return w * self.coefficient.reshape(self.coefficient.shape + (1,) * rest)
 
     def value(self) -> Float[Array, ""]:
         return jnp.sum(
@@ -104,6 +116,12 @@ class ProcessedTrace:
     families: tuple[AbstractLossFamily, ...]
     units: tuple[tuple[int, tuple[int, ...]], ...]
     paths: tuple[str, ...]
+    # The variable holding each registered loss's value (None if unused), and the
+    # program output that is the objective.
+    value_vars: tuple[PVar | None, ...] = ()
+    objective: int = 0
+    out_tree: Any = None
+    caller: str = "eqfisher"
 
     @property
     def num_tags(self) -> int:
@@ -136,9 +154,39 @@ class ProcessedTrace:
             stop_after_tags=None if full else self.num_tags,
         )
 
-    def losses(self, ev: Evaluation) -> tuple[RegisteredLoss, ...]:
+    def coefficients(self, inputs: Sequence[Any]) -> tuple[Array, ...]:
+        """The derivative of the objective with respect to each registered loss's
+        value (the objective is affine in them: `_objective.check`)."""
+        inputs = jax.lax.stop_gradient(list(inputs))
+        used = [v for v in self.value_vars if v is not None]
+
+        def objective(perturb):
+            return self.run(inputs, perturb, full=True).outputs[self.objective]
+
+        out, vjp = jax.vjp(objective, VarMap.zeros(used))
+        (ct,) = vjp(jnp.ones_like(out))
+        by_var = ct.as_dict()
+        coefs = []
+        for v in self.value_vars:
+            c = by_var[id(v)] if v is not None else jnp.zeros((), out.dtype)
+            c = eqx.error_if(
+                c,
+                c < 0,
+                f"`{self.caller}`: a registered loss enters the value `loss_fn` "
+                "returns with a negative coefficient: its GGN or Fisher would be "
+                "negative semidefinite, and eqfisher's curvature is positive "
+                "semidefinite. Return losses with nonnegative weights (maximising a "
+                "likelihood is minimising a registered negative log-likelihood).",
+            )
+            coefs.append(c)
+        return tuple(coefs)
+
+    def losses(
+        self, ev: Evaluation, coefficients: Sequence[Array]
+    ) -> tuple[RegisteredLoss, ...]:
         return tuple(
-            RegisteredLoss(f, *operands) for f, operands in zip(self.families, ev.tags)
+            RegisteredLoss(f, *operands, c)
+            for f, operands, c in zip(self.families, ev.tags, coefficients)
         )
 
     def report(self) -> LayerReport:
@@ -202,15 +250,69 @@ def _hashable(tree) -> Any:
     return treedef, tuple(leaves)
 
 
-def trace(loss_fn: Callable, s: Split, *, caller: str = "eqfisher") -> ProcessedTrace:
-    """Traces `loss_fn` on the split model and batch."""
+Returns = Literal["loss", "aux", "surrogate"]
+
+
+def _check_returns(out: Any, returns: Returns, caller: str) -> None:
+    """Checks what `loss_fn` returned, as `eqx.filter_value_and_grad` does."""
+    is_pair = isinstance(out, (tuple, list)) and len(out) == 2
+    if returns == "loss" and isinstance(out, (tuple, list)):
+        fix = (
+            "pass `has_aux=True`"
+            if caller.endswith("value_grad_and_curvature")
+            else "return only the loss (e.g. `lambda m, b: loss_fn(m, b)[0]`)"
+        )
+        raise TypeError(
+            f"`{caller}`: `loss_fn` returned a {type(out).__name__} of "
+            f"{len(out)} items, expected a scalar loss; for `(loss, aux)` {fix} "
+            "(`has_aux`)."
+        )
+    if returns != "loss" and not is_pair:
+        flag = "has_aux=True" if returns == "aux" else "surrogate=True"
+        raise TypeError(
+            f"`{caller}(..., {flag})`: `loss_fn` must return a pair "
+            f"`(loss, {'aux' if returns == 'aux' else 'surrogate'})`, got "
+            f"{type(out).__name__}. Drop `{flag.split('=')[0]}` for a loss_fn "
+            "returning only the loss."
+        )
+    scalars = {"loss": [out], "aux": [out[0]] if is_pair else [], "surrogate": out}
+    for value in scalars[returns]:
+        if not (eqx.is_array(value) and jnp.issubdtype(value.dtype, jnp.floating)):
+            raise TypeError(
+                f"`{caller}`: the loss `loss_fn` returns must be a floating-point "
+                f"scalar array, got {value!r}."
+            )
+        if value.shape != ():
+            raise ValueError(
+                f"`{caller}`: the loss `loss_fn` returns must be a scalar, got shape "
+                f"{value.shape}; reduce it (e.g. jnp.mean) inside `loss_fn`."
+            )
+
+
+def trace(
+    loss_fn: Callable,
+    s: Split,
+    *,
+    caller: str = "eqfisher",
+    returns: Returns = "loss",
+) -> ProcessedTrace:
+    """Traces `loss_fn` on the split model and batch.
+
+    `returns` says what `loss_fn` returns: the scalar loss, `(loss, aux)` or
+    `(loss, surrogate)`. The loss must be affine in the registered losses' values
+    and (except with a surrogate) depend on parameters only through them.
+    """
     n_p, n_o = len(s.params), len(s.others)
+    out_trees = []
 
     def flat_fn(*leaves):
         model, batch = s.rebuild(
             list(leaves[:n_p]), list(leaves[n_p : n_p + n_o]), list(leaves[n_p + n_o :])
         )
-        return loss_fn(model, batch)
+        out = loss_fn(model, batch)
+        _check_returns(out, returns, caller)
+        out_trees.append(jax.tree_util.tree_structure(out))
+        return out
 
     jaxpr, consts = _compat.make_jaxpr(flat_fn, *s.inputs)
     program = flatten(jaxpr, consts, n_p)
@@ -222,10 +324,19 @@ def trace(loss_fn: Callable, s: Split, *, caller: str = "eqfisher") -> Processed
             f"with {_REGISTRATION}; each returns the scalar loss and marks the model "
             "outputs for curvature."
         )
+    values = [n.outs[0] for n in program.nodes if n.eqn.primitive is loss_value_tag_p]
+    if len(values) != len(tags):
+        raise ValueError(
+            f"`{caller}`: `loss_fn` has {len(tags)} loss tags but {len(values)} "
+            f"registered loss values; register losses only with {_REGISTRATION}."
+        )
     params = jax.tree_util.tree_unflatten(s.params_def, s.params)
     paths = tuple(
         jax.tree_util.keystr(p)
         for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    )
+    _objective.check(
+        program, n_p, paths, 0, outside_terms=returns == "surrogate", caller=caller
     )
     found = detect(program, paths)
     return ProcessedTrace(
@@ -238,24 +349,29 @@ def trace(loss_fn: Callable, s: Split, *, caller: str = "eqfisher") -> Processed
         units=tuple((i, ()) for i in range(n_p))
         + tuple((u.leaf, u.index) for u in program.units),
         paths=tuple(unit_paths(program, paths)),
+        value_vars=tuple(values),
+        objective=0,
+        out_tree=out_trees[-1],
+        caller=caller,
     )
 
 
 class Traced:
     """A loss function with a cache of its traces, one per argument structure."""
 
-    def __init__(self, loss_fn: Callable, caller: str):
+    def __init__(self, loss_fn: Callable, caller: str, returns: Returns = "loss"):
         if not callable(loss_fn):
             raise TypeError(f"`{caller}`: `loss_fn` must be callable, got {loss_fn!r}.")
         self.loss_fn = loss_fn
         self.cache = {}
         self.caller = caller
+        self.returns = returns
 
     def trace(self, s: Split) -> ProcessedTrace:
         cached = self.cache.get(s.key)
         if cached is not None:
             return cached
-        processed = trace(self.loss_fn, s, caller=self.caller)
+        processed = trace(self.loss_fn, s, caller=self.caller, returns=self.returns)
         consts = [
             n for n in processed.program.nodes for a in n.args if _is_tracer_const(a)
         ]
@@ -313,11 +429,13 @@ class _LayerVjp:
         layers = processed.layers
         points = list({id(r.outputs): r.outputs for r in layers}.values())
 
+        coefs = processed.coefficients(s.inputs)
+
         def forward(p_leaves, perturb):
             ev = processed.run(list(p_leaves) + s.others + s.batch, perturb)
             tag_inputs = tuple(t[0] for t in ev.tags)
             primals = tuple((ev.read(r.inputs), ev.read(r.outputs)) for r in layers)
-            return tag_inputs, (processed.losses(ev), primals)
+            return tag_inputs, (processed.losses(ev, coefs), primals)
 
         zero = VarMap.zeros(points)
         _, vjp, (losses, primals) = jax.vjp(forward, s.params, zero, has_aux=True)
@@ -362,9 +480,11 @@ def layer_vjp(loss_fn: Callable) -> Callable:
 
 
 def _params_fn(processed: ProcessedTrace, s: Split):
+    coefs = processed.coefficients(s.inputs)
+
     def fn(p_leaves):
         ev = processed.run(list(p_leaves) + s.others + s.batch)
-        return tuple(t[0] for t in ev.tags), processed.losses(ev)
+        return tuple(t[0] for t in ev.tags), processed.losses(ev, coefs)
 
     return fn
 
@@ -404,7 +524,8 @@ def loss_tags_jvp(loss_fn: Callable) -> Callable:
 
 def loss_tags_hvp(loss_fn: Callable) -> Callable:
     """`(model, batch, params_tangent) -> (H v, losses)`, with H the Hessian of the
-    summed registered loss values, by forward-over-reverse differentiation."""
+    registered losses' values weighted by their coefficients in the value `loss_fn`
+    returns, by forward-over-reverse differentiation."""
     traced = Traced(loss_fn, "eqfisher.loss_tags_hvp")
 
     def transformed(model, batch, params_tangent):

@@ -330,10 +330,12 @@ def test_two_registered_losses():
         ef.losses.Categorical,
         ef.losses.Gaussian,
     ]
-    # The transforms see the registered losses, unweighted: H of CE + MSE.
+    # Each registered loss is weighted by its coefficient in the returned value:
+    # the Hessian of CE + 0.5·MSE.
+    assert [float(loss.coefficient) for loss in losses] == [1.0, 0.5]
     total = lambda p: (  # noqa: E731
         ef.softmax_cross_entropy(jax.vmap(eqx.combine(p, static))(x), y)
-        + ef.squared_error(jax.vmap(eqx.combine(p, static))(x), targets)
+        + 0.5 * ef.squared_error(jax.vmap(eqx.combine(p, static))(x), targets)
     )
     _, expected = jax.jvp(jax.grad(total), (params,), (v,))
     assert tree_allclose(hv, expected, rtol=1e-9, atol=1e-11)

@@ -1,0 +1,99 @@
+"""How the examples of a batch relate inside `loss_fn`: a typed option of `curvature`
+and `value_grad_and_curvature`, for the structures that need per-example vectors
+(`Dense`, `BlockDiagonal`, `Diagonal`, EKFAC's scales, K-FAC's exact diagonal
+blocks)."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, PyTree
+
+
+class AbstractExamples(eqx.Module):
+    """How the examples of a batch relate inside `loss_fn`."""
+
+
+class IndependentExamples(AbstractExamples):
+    """Examples do not interact inside `loss_fn` (the default).
+
+    Per-example vectors come from re-running `loss_fn` on one example at a time; the
+    outputs of that run are compared with the same example's outputs in the full
+    batch, and a mismatch (batch statistics, shared randomness, a wrong example
+    axis) raises an error.
+
+    **Arguments:**
+
+    - `axis`: where the example axis is in the batch's arrays: an int for all of
+      them, or a PyTree prefix of `batch` of ints (or `None` for arrays shared by
+      all examples), as `jax.vmap`'s `in_axes`. Default 0; time-major data
+      `(T, N, F)` with labels `(N,)` is `axis=(1, 0)`. Scalar arrays are always
+      shared. Each registered loss's example axis is found by comparison with the
+      one-example run.
+    """
+
+    axis: PyTree[int | None] = eqx.field(static=True, default=0)
+
+
+class InteractingExamples(AbstractExamples):
+    """Examples interact inside `loss_fn` (BatchNorm with batch statistics, ...).
+
+    The exact curvature then comes from full-batch products: one VJP through the
+    whole batch per loss output coordinate (`GGN`, `FisherExact`), or per example
+    (`EmpiricalFisher`, `FisherMC`), so its cost is about batch × outputs backward
+    passes, against one per-example pass for `IndependentExamples`.
+
+    **Arguments:**
+
+    - `axis`: the example axis among each registered loss's leading axes (for
+      `EmpiricalFisher` and `FisherMC`, whose vectors belong to whole examples).
+    """
+
+    axis: int = eqx.field(static=True, default=0)
+
+
+def split_along(v: Array, axes: tuple[int, ...]) -> Array:
+    """`(k, *leading, out)` vectors → `(P·k, *leading, out)`, P the number of index
+    combinations along the given leading `axes`, each new vector nonzero at one
+    combination only."""
+    axes = tuple(1 + a for a in axes)
+    rest = [a for a in range(1, v.ndim) if a not in axes]
+    moved = jnp.transpose(v, (0,) + axes + tuple(rest))
+    k = v.shape[0]
+    p = math.prod(v.shape[a] for a in axes)
+    flat = moved.reshape((k, p, -1))
+    out = jnp.einsum("kqr,pq->pkqr", flat, jnp.eye(p, dtype=v.dtype))
+    out = out.reshape((p * k,) + moved.shape[1:])
+    perm = (0,) + axes + tuple(rest)
+    return jnp.transpose(out, tuple(int(i) for i in np.argsort(perm)))
+
+
+def leaf_axes(axis: PyTree, batch: PyTree, caller: str) -> list[int | None]:
+    """The example axis of each array leaf of `batch` (None: shared)."""
+
+    class _Axis:
+        def __init__(self, a):
+            self.a = a
+
+    try:
+        full = jax.tree_util.tree_map(
+            lambda a, sub: jax.tree_util.tree_map(lambda _: _Axis(a), sub),
+            axis,
+            batch,
+            is_leaf=lambda x: x is None,
+        )
+    except ValueError as e:
+        raise ValueError(
+            f"`{caller}(..., examples=IndependentExamples(axis=...))`: `axis` must "
+            f"be an int or a PyTree prefix of `batch`: {e}"
+        ) from None
+    axes = [
+        None if x.ndim == 0 else a.a
+        for a, x in zip(
+            jax.tree_util.tree_leaves(full), jax.tree_util.tree_leaves(batch)
+        )
+        if eqx.is_array(x)
+    ]
+    return axes
