@@ -1,6 +1,6 @@
 """Every JAX-internal detail eqfisher relies on, in one place.
 
-Tested on jax 0.9.x and 0.10.x. Keep this module small: the rest of eqfisher talks to
+Tested on jax 0.9.x, 0.10.x and 0.11.x (the last on a GPU machine, not in CI). Keep this module small: the rest of eqfisher talks to
 jaxprs only through the names defined here.
 """
 
@@ -59,6 +59,24 @@ def call_body_of(body: Any) -> tuple[Jaxpr, list[Any]] | None:
     if len(consts) != len(inner.constvars):
         return None
     return inner, consts
+
+
+def scan_counts(eqn: JaxprEqn) -> tuple[int, int]:
+    """`(num_consts, num_carry)` of a `scan` equation.
+
+    Before jax 0.11 they are parameters; from 0.11 the operands are described by
+    `ft_in`, one group each for the constants, the carry and the scanned inputs.
+    """
+    p = eqn.params
+    if "num_consts" in p:
+        return p["num_consts"], p["num_carry"]
+    ft_in = p.get("ft_in")
+    if ft_in is None or len(ft_in) != 3:
+        raise NotImplementedError(
+            f"eqfisher cannot read this `scan` equation's parameters on jax "
+            f"{jax.__version__} ({sorted(p)}); please report it."
+        )
+    return len(ft_in[0]), len(ft_in[1])
 
 
 def is_literal(atom: Any) -> bool:

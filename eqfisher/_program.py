@@ -250,7 +250,7 @@ def flatten(jaxpr, consts: Sequence[Any], num_params: int) -> Program:
 
     def unroll(eqn, atoms: Sequence[Atom]) -> list[Atom]:
         p = eqn.params
-        n_c, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
+        (n_c, n_carry), length = _compat.scan_counts(eqn), p["length"]
         consts, carry = list(atoms[:n_c]), list(atoms[n_c : n_c + n_carry])
         xs = atoms[n_c + n_carry :]
         body = _compat.call_body_of(p["jaxpr"])
