@@ -8,7 +8,7 @@ from typing import Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, PyTree, ScalarLike
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree, ScalarLike
 
 from ..curvature import Curvature, curvature
 from ..estimators import GGN, AbstractEstimator
@@ -84,7 +84,7 @@ class Laplace(eqx.Module):
         num_data: ScalarLike,
         likelihood: Likelihood,
         prior_precision: ScalarLike | dict[str, ScalarLike] = 1.0,
-        noise_std: ScalarLike = 1.0,
+        noise_std: ScalarLike | None = None,
         temperature: ScalarLike = 1.0,
         num_outputs: int = 1,
     ):
@@ -100,7 +100,7 @@ class Laplace(eqx.Module):
             `"regression"` (Gaussian, with `squared_error`'s ½‖y − f‖²).
         - `prior_precision`: δ, a positive scalar, or a dict with one per block
             (the names of `curvature.blocks`: per layer with a block structure).
-        - `noise_std`: σ > 0, regression only.
+        - `noise_std`: σ > 0, regression only (default 1).
         - `temperature`: T > 0.
         - `num_outputs`: D, regression only: the Gaussian normaliser is
             N·D·log(σ√(2π)).
@@ -110,12 +110,10 @@ class Laplace(eqx.Module):
                 "`eqfisher.laplace.Laplace(..., likelihood=...)`: expected "
                 f"'classification' or 'regression', got {likelihood!r}."
             )
-        if likelihood == "classification" and not (
-            isinstance(noise_std, (int, float)) and noise_std == 1
-        ):
+        if likelihood == "classification" and noise_std is not None:
             raise ValueError(
                 "`eqfisher.laplace.Laplace(..., noise_std=...)` applies to "
-                "`likelihood='regression'` only; leave it at 1 for classification."
+                "`likelihood='regression'` only; leave it out for classification."
             )
         leaves = jax.tree_util.tree_leaves(curvature.structure)
         dtype = jnp.result_type(*[s.dtype for s in leaves])
@@ -124,7 +122,7 @@ class Laplace(eqx.Module):
         self.loss = jnp.asarray(loss, dtype)
         self.num_data = jnp.asarray(num_data, dtype)
         self.prior_precision = _prior_dict(curvature, prior_precision, dtype)
-        self.noise_std = jnp.asarray(noise_std, dtype)
+        self.noise_std = jnp.asarray(1.0 if noise_std is None else noise_std, dtype)
         self.temperature = jnp.asarray(temperature, dtype)
         self.likelihood = likelihood
         self.num_outputs = int(num_outputs)
@@ -325,8 +323,8 @@ def fit(
     estimator: AbstractEstimator = GGN(),  # noqa: B008 (an immutable Module)
     where=None,
     key: PRNGKeyArray | None = None,
-    prior_precision: ScalarLike | dict[str, ScalarLike] | ArrayLike = 1.0,
-    noise_std: ScalarLike = 1.0,
+    prior_precision: ScalarLike | dict[str, ScalarLike] = 1.0,
+    noise_std: ScalarLike | None = None,
     temperature: ScalarLike = 1.0,
 ) -> Laplace:
     """A Laplace posterior around the trained `model`, from one batch (the data set).
