@@ -5,7 +5,8 @@ the same initialisation (all M at once, `vmap` over example masks) and record ea
 query's loss. Each influence method predicts the loss on subset m as
 −Σ_{t∈S_m} score(q, t); the LDS is the Spearman correlation between predicted and
 actual losses across the M subsets, averaged over queries (Park et al., 2023;
-kronfluence's evaluation). Methods: identity, Diagonal, K-FAC, EKFAC (all through
+kronfluence's evaluation). Memory: XLA's temporary buffers for the compiled score
+computation (`memory_analysis`), besides its inputs. Methods: identity, Diagonal, K-FAC, EKFAC (all through
 `CurvatureInverse`), the exact GGN by CG (`ConjugateGradient` on `ggn_operator`) and
 by a dense solve (`Dense()`), all with the same damping λ = 0.1·tr(G)/P.
 
@@ -112,14 +113,21 @@ def main(n_train=300, n_query=30, subsets=30, steps=500, seed=0):
         f"N={n_train}, P={size}, queries={n_query}, subsets={subsets}, "
         f"damping={damping:.3g}, retraining {retrain_s:.1f}s"
     )
-    print(f"{'method':<15}{'LDS':>8}{'± s.e.':>8}{'build s':>9}{'scores s':>10}")
+    print(
+        f"{'method':<15}{'LDS':>8}{'± s.e.':>8}{'build s':>9}{'scores s':>10}"
+        f"{'temp MiB':>10}"
+    )
     rows = {}
     for name, make in methods.items():
         t0 = time.perf_counter()
         inverse = make()
         jax.block_until_ready(inverse)
         build_s = time.perf_counter() - t0
-        scores_fn(loss_fn, model, train_set, query, inverse, chunk_size=100)
+        args = (loss_fn, model, train_set, query, inverse)
+        compiled = scores_fn.lower(*args, chunk_size=100).compile()
+        memory = compiled.compiled.memory_analysis()
+        temp_mb = memory.temp_size_in_bytes / 2**20 if memory is not None else np.nan
+        scores_fn(*args, chunk_size=100)
         t0 = time.perf_counter()
         scores = scores_fn(loss_fn, model, train_set, query, inverse, chunk_size=100)
         scores = np.asarray(jax.block_until_ready(scores))
@@ -129,8 +137,11 @@ def main(n_train=300, n_query=30, subsets=30, steps=500, seed=0):
             [spearmanr(predicted[:, q], actual[:, q])[0] for q in range(n_query)]
         )
         lds, se = np.nanmean(rho), np.nanstd(rho) / np.sqrt(np.sum(~np.isnan(rho)))
-        rows[name] = (lds, se, build_s, score_s)
-        print(f"{name:<15}{lds:>8.3f}{se:>8.3f}{build_s:>9.2f}{score_s:>10.3f}")
+        rows[name] = (lds, se, build_s, score_s, temp_mb)
+        print(
+            f"{name:<15}{lds:>8.3f}{se:>8.3f}{build_s:>9.2f}{score_s:>10.3f}"
+            f"{temp_mb:>10.2f}"
+        )
     return rows
 
 
