@@ -51,6 +51,7 @@ def make_runner(
     damping_mode="exact",
     momentum: float = 0.9,
     norm_constraint: float | None = None,
+    like=None,
 ):
     """Returns `first(params, idx, key, hp)` and `chunk(params, state, idx, key, hp)`.
 
@@ -76,13 +77,18 @@ def make_runner(
         )
 
         def make_opt(hp):
+            variants = {
+                "exact": ef.optim.Tikhonov(),
+                "factored": ef.optim.FactoredTikhonov(),
+            }
             return ef.optim.kfac(
                 hp[0],
+                like=like,
                 damping=hp[1],
                 momentum=momentum,
                 decay=0.95,
                 inverse_every=inverse_every,
-                damping_mode=damping_mode,
+                damping_variant=variants[damping_mode],
                 norm_constraint=norm_constraint,
             )
 
@@ -97,8 +103,7 @@ def make_runner(
 
     @eqx.filter_jit
     def first(params, idx, key, hp):
-        # The first K-FAC update fills the curvature slots of the state, changing its
-        # structure; it runs outside the scan, whose carry must keep one structure.
+        # The first step also builds the optimiser state.
         state = make_opt(hp).init(params)
         return step(params, state, idx, key, hp)
 
@@ -178,6 +183,14 @@ def main() -> None:
             "kfac": [(lr, d) for d in (1e-3, 1e-2, 1e-1) for lr in LEARNING_RATES],
         }
 
+    like = ef.optim.curvature_like(
+        ef.value_grad_and_curvature(
+            loss_fn, estimator=ef.FisherMC(samples=1), structure=ef.KFAC()
+        ),
+        model,
+        (x_all[indices[0]], y_all[indices[0]]),
+        key=keys[0],
+    )
     rows = []
     for kind, grid in grids.items():
         first, chunk = make_runner(
@@ -189,6 +202,7 @@ def main() -> None:
             args.damping_mode,
             args.momentum,
             args.norm_constraint,
+            like,
         )
         hp0 = jnp.asarray(grid[0], jnp.float32)
         # Compile both functions (traced hyperparameters: once for the whole grid).

@@ -36,7 +36,7 @@ ScalarOrSchedule = float | Float[Array, ""] | optax.Schedule
 # Defaults chosen from the grid in benchmarks/kfac_defaults.py (benchmarks/RESULTS.md,
 # "K-FAC defaults"): no learning rate in 1e-3…1 gives a non-finite run on the five
 # problems there.
-DAMPING = 1e-2
+DAMPING = 1e-3
 MOMENTUM = 0.0
 NORM_CONSTRAINT = 1e-2
 INVERSE_EVERY = 5

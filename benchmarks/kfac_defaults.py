@@ -1,0 +1,324 @@
+"""K-FAC at its defaults (only the learning rate swept) against Adam (learning rate swept).
+
+Five small problems on scikit-learn's bundled data, batch 256, random minibatches with
+a fixed seed (the same sequence for every run), the full-data training loss after
+every step (outside the clock):
+
+- `digits-std`: MLP 64-128-128-10 (relu), standardised inputs, to loss 0.05.
+- `digits-16`: the same with inputs / 16, to 0.05.
+- `autoencoder`: deep tanh autoencoder 64-128-64-32-8-32-64-128-64 on digits / 16,
+  squared error (½‖x̂ − x‖² per example), to 0.8.
+- `cnn`: conv 3x3 (8) - conv 3x3 (16) - dense 10 (relu) on the 8x8 digits / 16, to 0.05.
+- `diabetes`: MLP 10-64-64-1 (tanh) regression on standardised diabetes data, to 0.15.
+
+K-FAC is `ef.optim.kfac(lr, like=...)` with every other option at its default,
+through `ef.optim.kfac_step` with FisherMC(1) + KFAC. Seconds are the steady-state
+seconds of the training steps to the target (compilation excluded, reported apart).
+A run is non-finite when the loss or a parameter becomes NaN/inf.
+
+    python benchmarks/kfac_defaults.py                   # the comparison
+    python benchmarks/kfac_defaults.py --grid            # the defaults grid
+    OPENBLAS_NUM_THREADS=1 python benchmarks/kfac_defaults.py
+
+`--grid` sweeps damping × norm constraint × momentum × inverse_every for K-FAC only
+(over all learning rates and problems) and prints, per configuration, the non-finite
+runs and the best steps to the target per problem: how the defaults were chosen.
+"""
+
+import argparse
+import itertools
+import os
+import platform
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from sklearn.datasets import load_diabetes, load_digits
+
+import eqfisher as ef
+
+
+KFAC_LRS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
+GRID_LRS = (3e-3, 3e-2, 3e-1, 1.0)
+ADAM_LRS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+
+
+def _ce(model, batch):
+    x, y = batch
+    return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
+
+
+def _se(model, batch):
+    x, y = batch
+    return ef.squared_error(jax.vmap(model)(x), y)
+
+
+class CNN(eqx.Module):
+    conv1: eqx.nn.Conv2d
+    conv2: eqx.nn.Conv2d
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.conv1 = eqx.nn.Conv2d(1, 8, 3, padding=1, key=k1)
+        self.conv2 = eqx.nn.Conv2d(8, 16, 3, padding=1, key=k2)
+        self.out = eqx.nn.Linear(16 * 8 * 8, 10, key=k3)
+
+    def __call__(self, x):
+        h = jax.nn.relu(self.conv1(x.reshape(1, 8, 8)))
+        h = jax.nn.relu(self.conv2(h))
+        return self.out(h.reshape(-1))
+
+
+class Autoencoder(eqx.Module):
+    layers: tuple
+
+    def __init__(self, key):
+        sizes = (64, 128, 64, 32, 8, 32, 64, 128, 64)
+        keys = jax.random.split(key, len(sizes) - 1)
+        self.layers = tuple(
+            eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes[:-1], sizes[1:], keys)
+        )
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = jnp.tanh(layer(x))
+        return self.layers[-1](x)
+
+
+def problem(name: str, key):
+    """(model, x, y, loss_fn, target) as float32 arrays."""
+    if name == "diabetes":
+        x, y = load_diabetes(return_X_y=True)
+        x = (x - x.mean(0)) / x.std(0)
+        y = ((y - y.mean()) / y.std())[:, None]
+        model = eqx.nn.MLP(10, 1, 64, 2, activation=jnp.tanh, key=key)
+        return (
+            model,
+            jnp.asarray(x, jnp.float32),
+            jnp.asarray(y, jnp.float32),
+            _se,
+            0.15,
+        )
+    x, labels = load_digits(return_X_y=True)
+    x16 = jnp.asarray(x / 16.0, jnp.float32)
+    labels = jnp.asarray(labels, jnp.int32)
+    if name == "digits-std":
+        xs = (x - x.mean(0)) / np.maximum(x.std(0), 1e-6)
+        model = eqx.nn.MLP(64, 10, 128, 2, activation=jax.nn.relu, key=key)
+        return model, jnp.asarray(xs, jnp.float32), labels, _ce, 0.05
+    if name == "digits-16":
+        model = eqx.nn.MLP(64, 10, 128, 2, activation=jax.nn.relu, key=key)
+        return model, x16, labels, _ce, 0.05
+    if name == "autoencoder":
+        return Autoencoder(key), x16, x16, _se, 0.8
+    if name == "cnn":
+        return CNN(key), x16, labels, _ce, 0.05
+    raise ValueError(name)
+
+
+PROBLEMS = ("digits-std", "digits-16", "autoencoder", "cnn", "diabetes")
+
+
+def make_steps(kind, model, x, y, loss_fn, sample, key, options):
+    """`(init_state, step)`; `step(params, state, idx, key, lr)` is jitted once."""
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    if kind == "adam":
+
+        @eqx.filter_jit
+        def step(params, state, idx, key, lr):
+            del key
+            grads = eqx.filter_grad(loss_fn)(
+                eqx.combine(params, static), (x[idx], y[idx])
+            )
+            updates, state = optax.adam(lr).update(grads, state, params)
+            return eqx.apply_updates(params, updates), state
+
+        return optax.adam(1e-3).init(params), step
+
+    estimator, structure = ef.FisherMC(samples=1), ef.KFAC()
+    vgc = ef.value_grad_and_curvature(loss_fn, estimator=estimator, structure=structure)
+    like = ef.optim.curvature_like(vgc, model, sample, key=key)
+    period = options.pop("curvature_update_period", None)
+    amortise = {} if period is None else {"curvature_update_period": period}
+
+    @eqx.filter_jit
+    def step(params, state, idx, key, lr):
+        opt = ef.optim.kfac(lr, like=like, **options)
+        one = ef.optim.kfac_step(
+            loss_fn,
+            opt,
+            estimator=estimator,
+            structure=structure,
+            **amortise,
+        )
+        model, state, _ = one(eqx.combine(params, static), state, (x[idx], y[idx]), key)
+        return eqx.filter(model, eqx.is_inexact_array), state
+
+    return ef.optim.kfac(1.0, like=like, **options).init(params), step
+
+
+def train(step, state0, params, full_loss, indices, keys, lr, target, max_steps):
+    """(steps to target or None, seconds to there/end, non-finite?)."""
+    lr = jnp.asarray(lr, jnp.float32)
+    state, elapsed = state0, 0.0
+    first = float(full_loss(params))
+    for i in range(max_steps):
+        t0 = time.perf_counter()
+        params, state = step(params, state, indices[i], keys[i], lr)
+        jax.block_until_ready(params)
+        elapsed += time.perf_counter() - t0
+        loss = float(full_loss(params))
+        finite = np.isfinite(loss) and all(
+            bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(params)
+        )
+        if not finite:
+            return None, elapsed, True
+        if loss <= target:
+            return i + 1, elapsed, False
+        if loss > 100 * first:  # diverged but finite so far
+            return None, elapsed, False
+    return None, elapsed, False
+
+
+def run(name, kind, lrs, options, max_steps, seed, verbose=True):
+    key = jax.random.key(seed)
+    model, x, y, loss_fn, target = problem(name, key)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    n = x.shape[0]
+    batch = min(256, n)
+    rng = np.random.default_rng(seed)
+    indices = jnp.asarray(
+        np.stack([rng.choice(n, batch, replace=False) for _ in range(max_steps)])
+    )
+    keys = jax.random.split(jax.random.key(seed + 1), max_steps)
+    full_loss = eqx.filter_jit(lambda p: loss_fn(eqx.combine(p, static), (x, y)))
+    sample = (x[indices[0]], y[indices[0]])
+    state0, step = make_steps(
+        kind, model, x, y, loss_fn, sample, keys[0], dict(options)
+    )
+    t0 = time.perf_counter()
+    jax.block_until_ready(
+        step(params, state0, indices[0], keys[0], jnp.asarray(lrs[0], jnp.float32))
+    )
+    compile_s = time.perf_counter() - t0
+    full_loss(params)
+    rows = []
+    for lr in lrs:
+        reached, secs, nonfinite = train(
+            step, state0, params, full_loss, indices, keys, lr, target, max_steps
+        )
+        rows.append((lr, reached, secs, nonfinite))
+        if verbose:
+            shown = "-" if reached is None else reached
+            print(
+                f"    {name:12s} {kind:5s} lr={lr:<7g} steps={shown!s:>5} "
+                f"{secs:6.2f} s{'  NON-FINITE' if nonfinite else ''}",
+                flush=True,
+            )
+    return rows, compile_s
+
+
+def best(rows):
+    ok = [r for r in rows if r[1] is not None]
+    return min(ok, key=lambda r: (r[2], r[1])) if ok else None
+
+
+def compare(max_steps, seed, problems, options):
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, "
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}, "
+        f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'default')}, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    table = []
+    for name in problems:
+        results = {}
+        for kind, lrs in (("kfac", KFAC_LRS), ("adam", ADAM_LRS)):
+            results[kind] = run(
+                name, kind, lrs, options if kind == "kfac" else {}, max_steps, seed
+            )
+        table.append((name, results))
+    print()
+    print(
+        "| problem | Adam best lr: steps, s | K-FAC best lr: steps, s | "
+        "steps ratio | seconds ratio | K-FAC non-finite | compile s (K-FAC / Adam) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    wins = 0
+    for name, results in table:
+        (k_rows, k_c), (a_rows, a_c) = results["kfac"], results["adam"]
+        k, a = best(k_rows), best(a_rows)
+        nonfinite = sum(r[3] for r in k_rows)
+
+        def cell(b):
+            return "never" if b is None else f"{b[0]:g}: {b[1]}, {b[2]:.2f}"
+
+        if k and a:
+            sr, tr = k[1] / a[1], k[2] / a[2]
+            wins += sr <= 0.5 and tr <= 0.8 and nonfinite == 0
+            ratios = f"{sr:.2f} | {tr:.2f}"
+        else:
+            ratios = "- | -"
+        print(
+            f"| {name} | {cell(a)} | {cell(k)} | {ratios} | {nonfinite}/{len(k_rows)} "
+            f"| {k_c:.1f} / {a_c:.1f} |"
+        )
+    print(f"\nproblems meeting the goal (≤0.5× steps, ≤0.8× s, 0 non-finite): {wins}/5")
+
+
+def grid(max_steps, seed, problems):
+    configs = list(
+        itertools.product(
+            (1e-3, 1e-2, 1e-1),  # damping
+            (None, 1e-2, 1e-1, 1.0),  # norm_constraint
+            (0.0,),  # momentum (0.9 diverged or was slower in the issue's runs)
+        )
+    )
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        "| damping | norm_constraint | momentum | non-finite | best steps per problem |"
+    )
+    print("|---|---|---|---|---|")
+    for damping, constraint, momentum in configs:
+        options = dict(damping=damping, norm_constraint=constraint, momentum=momentum)
+        nonfinite, steps = 0, []
+        for name in problems:
+            rows, _ = run(name, "kfac", GRID_LRS, options, max_steps, seed, False)
+            nonfinite += sum(r[3] for r in rows)
+            reached = [r[1] for r in rows if r[1] is not None]
+            steps.append(min(reached) if reached else None)
+        print(
+            f"| {damping:g} | {constraint} | {momentum:g} | {nonfinite} | "
+            + ", ".join("-" if s is None else str(s) for s in steps)
+            + " |",
+            flush=True,
+        )
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--grid", action="store_true", help="the defaults grid")
+    parser.add_argument("--max-steps", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--problems", nargs="*", default=PROBLEMS)
+    parser.add_argument(
+        "--curvature-update-period",
+        type=int,
+        default=None,
+        help="kfac_step's (default: its default)",
+    )
+    args = parser.parse_args()
+    if args.grid:
+        grid(args.max_steps, args.seed, args.problems)
+    else:
+        period = args.curvature_update_period
+        options = {} if period is None else {"curvature_update_period": period}
+        compare(args.max_steps, args.seed, args.problems, options)
+
+
+if __name__ == "__main__":
+    main()
