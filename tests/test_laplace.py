@@ -258,7 +258,7 @@ def test_glm_predictive_against_jacfwd(case):
     fn, theta = flat_outputs(model, x, sel)
     jac = jax.jacfwd(fn)(theta)  # (batch, D, P)
     cov = np.einsum("bkp,pq,blq->bkl", jac, np.linalg.inv(precision), jac)
-    mean, got = la.glm_predictive(lap, x, chunk_size=2)
+    mean, got = la.glm_predictive(lap, x, chunk_size=2, output_chunk_size=3)
     np.testing.assert_allclose(mean, fn(theta), rtol=1e-12)
     np.testing.assert_allclose(got, cov, rtol=1e-9, atol=1e-12)
     # Probit and bridge, from the formulas written out here.

@@ -15,29 +15,23 @@ def _call(model, x):
     return model(x)
 
 
-def _tree_dots(a: PyTree, b: PyTree) -> Array:
-    """Σ over leaves of einsum('i...,j...->ij'): the Gram matrix of two stacks."""
-    return sum(
-        jnp.einsum("i...,j...->ij", x, y)
-        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
-    )
-
-
 def glm_predictive(
     posterior: Laplace,
     x: PyTree,
     *,
     apply: Callable[[PyTree, PyTree], Float[Array, " out"]] = _call,
     chunk_size: int | None = None,
+    output_chunk_size: int | None = None,
 ) -> tuple[Float[Array, "batch out"], Float[Array, "batch out out"]]:
     """The linearised predictive: outputs f(x; θ*) and their covariance J Λ⁻¹ Jᵀ.
 
-    For each example, the D rows of J (one VJP each, D the output size) are mapped
-    through Λ⁻¹ block by block and paired with the rows: the (D, D) covariance,
-    without forming J for the batch. Examples run `chunk_size` at a time
-    (`jax.lax.map`), so memory is chunk_size·D·P for P selected parameters. The
-    covariance is of the function values; for regression add σ² for the noisy
-    targets.
+    Per example, the network is linearised once (`jax.linearize`); for each output
+    l, one VJP gives the row Jᵀe_l, `Laplace.covariance_mv` maps it through Λ⁻¹
+    block by block, and one JVP gives the column J Λ⁻¹ Jᵀ e_l. The Jacobian is
+    never formed: memory is chunk_size·output_chunk_size·P for P selected
+    parameters (outputs run `output_chunk_size` at a time, examples `chunk_size`
+    at a time, both through `jax.lax.map`). The covariance is of the function
+    values; for regression add σ² for the noisy targets.
 
     **Arguments:**
 
@@ -46,6 +40,7 @@ def glm_predictive(
     - `apply`: `apply(model, example) -> outputs` of shape `(D,)`; default
         `model(example)`.
     - `chunk_size`: examples per vectorised step (default: all at once).
+    - `output_chunk_size`: outputs per vectorised step (default: all D at once).
 
     **Returns:**
 
@@ -54,12 +49,17 @@ def glm_predictive(
     theta = posterior.mean
 
     def one(xi):
-        f = lambda t: apply(posterior.combine(t), xi)
-        out, vjp = jax.vjp(f, theta)
+        out, jvp = jax.linearize(lambda t: apply(posterior.combine(t), xi), theta)
+        vjp = jax.linear_transpose(jvp, theta)
+
+        def column(e):
+            (row,) = vjp(e)
+            return jvp(posterior.covariance_mv(row))
+
         eye = jnp.eye(out.shape[0], dtype=out.dtype)
-        (rows,) = jax.vmap(vjp)(eye)
-        solved = jax.vmap(posterior.covariance_mv)(rows)
-        return out, _tree_dots(rows, solved).astype(out.dtype)
+        cov = jax.lax.map(column, eye, batch_size=output_chunk_size)
+        # Symmetric in exact arithmetic; averaged so that rounding keeps it so.
+        return out, 0.5 * (cov + cov.T)
 
     return jax.lax.map(one, x, batch_size=chunk_size)
 
