@@ -256,9 +256,11 @@ def per_example_vectors(
             "in `batch` must share an example axis of one size; got sizes "
             f"{sorted(sizes)} along the example axes {axes} of arrays shaped "
             f"{[tuple(x.shape) for x in s.batch]}. Say where the example axis is "
-            "with `examples=eqfisher.IndependentExamples(axis=...)`, or pass "
+            "with `examples=eqfisher.IndependentExamples(axis=...)` (`None` for "
+            "arrays every example shares, such as a BatchNorm state), or pass "
             "`examples=eqfisher.InteractingExamples()` (exact, from full-batch "
-            "products)."
+            "products; also for examples that interact, as through BatchNorm with "
+            "batch statistics)."
         )
     (n,) = sizes
     one_leaves = [
