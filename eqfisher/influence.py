@@ -148,6 +148,24 @@ def _dot(a: PyTree, b: PyTree) -> Float[Array, ""]:
     )
 
 
+def _low_rank(x: Array, rank: int | None):
+    """A matrix leaf as rank-`rank` factors `(U·S, V)` (truncated SVD); others kept."""
+    if rank is None or x.ndim != 2:
+        return x
+    u, s, vt = jnp.linalg.svd(x, full_matrices=False)
+    return (u[:, :rank] * s[None, :rank], vt[:rank].T)
+
+
+def _factored_dot(factored: list, g: PyTree) -> Float[Array, ""]:
+    total = 0
+    for f, y in zip(factored, jax.tree_util.tree_leaves(g)):
+        if isinstance(f, tuple):
+            total = total + jnp.einsum("ir,ij,jr->", f[0], y, f[1])
+        else:
+            total = total + jnp.vdot(f, y)
+    return total
+
+
 def influence_scores(
     loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]],
     model: PyTree,
@@ -158,6 +176,7 @@ def influence_scores(
     where=None,
     chunk_size: int | None = None,
     query_chunk_size: int | None = None,
+    query_rank: int | None = None,
 ) -> Float[Array, "queries examples"]:
     """Pairwise scores ∇ℓ_qᵀ (H + λI)⁻¹ ∇ℓ_t for every query q and training example t.
 
@@ -176,19 +195,31 @@ def influence_scores(
         the `where` the curvature was built with.
     - `chunk_size`, `query_chunk_size`: examples per vectorised step (default:
         all at once).
+    - `query_rank`: keep each preconditioned query gradient's matrix leaves
+        (d_out, d_in) as rank-`query_rank` truncated SVDs (kronfluence's low-rank
+        query gradients): query memory per matrix leaf r·(d_out + d_in) instead of
+        d_out·d_in. `None` (default) keeps them exact.
 
     **Returns:**
 
     Scores of shape `(num_queries, num_train)`.
     """
     grad = _gradient_fn(loss_fn, model, where)
-    solved = jax.lax.map(
-        lambda q: inverse.solve(grad(q)), query, batch_size=query_chunk_size
-    )
+    if query_rank is not None and query_rank < 1:
+        raise ValueError(
+            "`eqfisher.influence.influence_scores(..., query_rank=...)` must be a "
+            f"positive rank or None, got {query_rank}."
+        )
+
+    def precondition(q):
+        leaves = jax.tree_util.tree_leaves(inverse.solve(grad(q)))
+        return [_low_rank(x, query_rank) for x in leaves]
+
+    solved = jax.lax.map(precondition, query, batch_size=query_chunk_size)
 
     def row(example):
         g = grad(example)
-        return jax.vmap(lambda s: _dot(s, g))(solved)
+        return jax.vmap(lambda s: _factored_dot(s, g))(solved)
 
     return jax.lax.map(row, train, batch_size=chunk_size).T
 

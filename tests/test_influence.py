@@ -136,3 +136,34 @@ def test_conjugate_gradient_in_float32():
     g_q = reference_gradients(model, query, sel)
     expected = g_q @ np.linalg.solve(ggn + 1e-3 * np.eye(ggn.shape[0]), g_t.T)
     np.testing.assert_allclose(got, expected, atol=1e-3 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("rank", [1, 2, 5])
+def test_low_rank_query_gradients(rank):
+    """Rank-r queries: each preconditioned query gradient's weight matrices truncated
+    to their top r singular triplets (NumPy SVD of the dense-inverse reference)."""
+    model, train, query = setup()
+    sel = selection(model, None)
+    inverse, h_inv = inverse_and_matrix("kfac", model, train, None, sel)
+    g_train = reference_gradients(model, train, sel)
+    solved = reference_gradients(model, query, sel) @ h_inv
+    _, unravel = ravel_pytree(eqx.filter(model, eqx.is_inexact_array))
+
+    def truncate(flat):
+        leaves = jax.tree_util.tree_leaves(unravel(jnp.asarray(flat)))
+        out = []
+        for x in map(np.asarray, leaves):
+            if x.ndim == 2:
+                u, s, vt = np.linalg.svd(x, full_matrices=False)
+                x = (u[:, :rank] * s[:rank]) @ vt[:rank]
+            out.append(x.ravel())
+        return np.concatenate(out)
+
+    expected = np.stack([truncate(f) for f in solved]) @ g_train.T
+    got = inf.influence_scores(
+        loss_fn, model, train, query, inverse, query_rank=rank, chunk_size=4
+    )
+    np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-12)
+    if rank == 5:  # full rank for every weight here (5 hidden units)
+        exact = inf.influence_scores(loss_fn, model, train, query, inverse)
+        np.testing.assert_allclose(got, exact, rtol=1e-9, atol=1e-12)
