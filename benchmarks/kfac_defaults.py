@@ -206,6 +206,12 @@ def run(name, kind, lrs, options, max_steps, seed, verbose=True):
     )
     compile_s = time.perf_counter() - t0
     full_loss(params)
+    # The first executions of a compiled step are slow on XLA:CPU (K-FAC's inverse
+    # refresh most): ten untimed warm-up steps, so that every timed run is steady.
+    p, s = params, state0
+    for i in range(10):
+        p, s = step(p, s, indices[i], keys[i], jnp.asarray(lrs[0], jnp.float32))
+    jax.block_until_ready(p)
     rows = []
     for lr in lrs:
         reached, secs, nonfinite = train(
