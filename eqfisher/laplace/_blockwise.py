@@ -142,3 +142,15 @@ def _(block: EigenKroneckerFactored, vector, scale, prior):
         block.structure,
     )
     return _cast(out, block.structure)
+
+
+@functools.singledispatch
+def prepare_block(block: AbstractBlock) -> AbstractBlock:
+    """The block with the factorisations its repeated solves reuse (K-FAC's
+    eigendecompositions); other block types unchanged."""
+    return block
+
+
+@prepare_block.register
+def _(block: KroneckerFactored) -> AbstractBlock:
+    return block.precompute()

@@ -14,7 +14,13 @@ from ..curvature import Curvature, curvature
 from ..estimators import GGN, AbstractEstimator
 from ..structures import AbstractStructure
 from ..tracing import loss_tags_jvp
-from ._blockwise import block_size, block_values, map_blocks, sqrt_inverse_mv
+from ._blockwise import (
+    block_size,
+    block_values,
+    map_blocks,
+    prepare_block,
+    sqrt_inverse_mv,
+)
 
 
 Likelihood = Literal["classification", "regression"]
@@ -117,7 +123,10 @@ class Laplace(eqx.Module):
             )
         leaves = jax.tree_util.tree_leaves(curvature.structure)
         dtype = jnp.result_type(*[s.dtype for s in leaves])
-        self.curvature = curvature
+        # Solves, log-determinants and samples are repeated (per example, output,
+        # sample, optimisation step): K-FAC's eigendecompositions are done once.
+        prepared = {n: prepare_block(b) for n, b in curvature.blocks.items()}
+        self.curvature = eqx.tree_at(lambda c: c.blocks, curvature, prepared)
         self.model = model
         self.loss = jnp.asarray(loss, dtype)
         self.num_data = jnp.asarray(num_data, dtype)
@@ -291,7 +300,8 @@ class Laplace(eqx.Module):
             noise = map_blocks(self.curvature, z, fn, "Laplace.sample")
             return jax.tree_util.tree_map(lambda m, e: m + e, self.mean, noise)
 
-        return jax.lax.map(one, jax.random.split(key, num_samples))
+        # vmap, not lax.map: the factorisations are computed once, not per sample.
+        return jax.vmap(one)(jax.random.split(key, num_samples))
 
     def combine(self, theta: PyTree) -> PyTree:
         """The model with its selected parameters replaced by `theta`.
