@@ -140,16 +140,15 @@ def _leave_one_out(r: Float[Array, "k k"]) -> Float[Array, "k k"]:
     """Column i: a unit vector orthogonal to every column of `r` but the i-th.
 
     Q (I − sᵢsᵢᵀ) Qᵀ then projects onto the range of the sketch without its i-th
-    vector. An SVD rather than R⁻ᵀ (Epperly et al.'s formula) keeps this finite when
-    the sketch is rank-deficient (a low-rank curvature): any null direction serves.
+    vector. These are the normalised columns of R⁻ᵀ (Epperly et al.), computed from
+    an SVD with the singular values floored at ε·σ₁: for a rank-deficient sketch (a
+    low-rank curvature) the columns then lie in R's null space, any vector of which
+    serves (the sketch holds the whole range), instead of being infinite.
     """
-    k = r.shape[0]
-
-    def one(i):
-        u, _, _ = jnp.linalg.svd(jnp.where(jnp.arange(k) == i, 0, r))
-        return u[:, -1]
-
-    return jax.vmap(one, out_axes=1)(jnp.arange(k))
+    u, sigma, vt = jnp.linalg.svd(r)
+    floor = jnp.maximum(jnp.finfo(r.dtype).eps * sigma[0], jnp.finfo(r.dtype).tiny)
+    s = (u / jnp.maximum(sigma, floor)[None, :]) @ vt
+    return s / jnp.linalg.norm(s, axis=0, keepdims=True)
 
 
 def _deflate(x: Float[Array, "k k"], s: Float[Array, "k k"]) -> Float[Array, "k k"]:
