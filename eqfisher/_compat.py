@@ -141,6 +141,21 @@ def define_identity_primitive(
     return prim
 
 
+def define_marker_primitive(name: str) -> Primitive:
+    """An identity primitive on one array that differentiates and batches as the
+    identity: a mark on a value that the tracer can find in a jaxpr."""
+
+    def jvp_rule(primals, tangents):
+        return prim.bind(*primals), ad.instantiate_zeros(tangents[0])
+
+    def batch_rule(args, dims):
+        (x,), (d,) = args, dims
+        return prim.bind(batching.bdim_at_front(x, d, x.shape[d])), 0
+
+    prim = define_identity_primitive(name, jvp_rule, batch_rule)
+    return prim
+
+
 def instantiate_zeros(tangent: Any) -> Any:
     return ad.instantiate_zeros(tangent)
 

@@ -45,20 +45,9 @@ def _strong(x: Any) -> Any:
     return x
 
 
-def _marker_jvp(primals, tangents):
-    return hessian_stopped_p.bind(*primals), _compat.instantiate_zeros(tangents[0])
-
-
-def _marker_batch(args, dims):
-    (x,), (d,) = args, dims
-    return hessian_stopped_p.bind(_compat.move_batch_axis(x, d, x.shape[d])), 0
-
-
 # Marks each output of `stop_hessian`, so that eqfisher's tracer knows that the
 # value adds no curvature (see `eqfisher._objective`).
-hessian_stopped_p = _compat.define_identity_primitive(
-    "eqfisher_hessian_stopped", _marker_jvp, _marker_batch
-)
+hessian_stopped_p = _compat.define_marker_primitive("eqfisher_hessian_stopped")
 
 
 def _mark(x: Any) -> Any:

@@ -186,20 +186,9 @@ loss_tag_p = _compat.define_identity_primitive(
 loss_tag_p.__doc__ = """Identity on `inputs`; operands `(inputs, targets, mask)`."""
 
 
-def _value_jvp(primals, tangents):
-    return loss_value_tag_p.bind(*primals), _compat.instantiate_zeros(tangents[0])
-
-
-def _value_batch(args, dims):
-    (x,), (d,) = args, dims
-    return loss_value_tag_p.bind(_compat.move_batch_axis(x, d, x.shape[d])), 0
-
-
 # The k-th value tag of a program marks the value of the k-th registered loss, so
 # that the tracer can see how the value `loss_fn` returns depends on it.
-loss_value_tag_p = _compat.define_identity_primitive(
-    "eqfisher_loss_value_tag", _value_jvp, _value_batch
-)
+loss_value_tag_p = _compat.define_marker_primitive("eqfisher_loss_value_tag")
 loss_value_tag_p.__doc__ = """Identity on a registered loss's scalar value."""
 
 
