@@ -192,7 +192,7 @@ def hutchinson_trace_variance(a: np.ndarray, m: int) -> float:
     return 2 * (np.sum(s**2) - np.sum(np.diag(s) ** 2)) / m
 
 
-def check_mean(samples, exact, std_error, what):
+def assert_mean_within(samples, exact, std_error, what):
     mean = np.mean(samples, axis=0)
     err = np.abs(mean - exact)
     assert np.all(err <= Z * std_error + 1e-12), (what, np.max(err / std_error))
@@ -222,7 +222,7 @@ def test_trace_unbiased(name, est):
         n = estimator.matvecs // 3 if est == "hutchpp" else 1
         assert sample_var <= 2 * np.sum(a**2) / n * 1.5 + 1e-12
         var = sample_var
-    check_mean(values, np.trace(a), np.sqrt(var / REPEATS), (name, est))
+    assert_mean_within(values, np.trace(a), np.sqrt(var / REPEATS), (name, est))
 
 
 @pytest.mark.parametrize("est", list(ESTIMATORS))
@@ -241,7 +241,7 @@ def test_diagonal_unbiased(name, est):
         # Each vector's complement term has variance ≤ ‖row j of A‖² (a projection
         # shrinks rows); the exact part adds none beyond what the average removes.
         assert np.all(var <= 2 * np.sum(a**2, axis=1) + 1e-12)
-    check_mean(values, np.diag(a), np.sqrt(var / REPEATS) + 1e-12, (name, est))
+    assert_mean_within(values, np.diag(a), np.sqrt(var / REPEATS) + 1e-12, (name, est))
 
 
 @pytest.mark.parametrize("name", SWEEP)
@@ -251,7 +251,7 @@ def test_squared_frobenius_norm_unbiased(name):
     ata = a.T @ a
     var = 2 * (np.sum(ata**2) - np.sum(np.diag(ata) ** 2)) / FROBENIUS_MATVECS
     assert np.var(values, ddof=1) <= 1.5 * var
-    check_mean(values, np.sum(a**2), np.sqrt(var / REPEATS), name)
+    assert_mean_within(values, np.sum(a**2), np.sqrt(var / REPEATS), name)
 
 
 def test_diagonal_is_a_pytree_like_the_operand():
@@ -369,11 +369,11 @@ def test_quadrature_first_moment_unbiased(name, reorthogonalise):
     moments = np.sum(q.weights * q.nodes, axis=1)
     t, t2 = np.trace(a), np.trace(a @ a)
     var = (t**2 + 2 * t2) / (d * (d + 2)) - t**2 / d**2
-    check_mean(moments, t / d, np.sqrt(var / REPEATS), name)
+    assert_mean_within(moments, t / d, np.sqrt(var / REPEATS), name)
     # The second moment is exact too (degree 2 < 2·iterations): uᵀA²u.
     second = np.sum(q.weights * q.nodes**2, axis=1)
     var2 = (t2**2 + 2 * np.trace(a @ a @ a @ a)) / (d * (d + 2)) - t2**2 / d**2
-    check_mean(second, t2 / d, np.sqrt(var2 / REPEATS), name)
+    assert_mean_within(second, t2 / d, np.sqrt(var2 / REPEATS), name)
 
 
 def test_breakdown_on_low_rank_is_finite():
@@ -480,7 +480,7 @@ def test_normal_vectors_unbiased():
     est = sp.Hutchinson(matvecs=12, distribution="normal")
     samples = np.asarray(many(lambda o, k: sp.trace(o, est, key=k), op, KEYS))
     var = 2 * np.sum(a**2) / 12  # Gaussian: 2‖A‖_F²/m
-    check_mean(samples, np.trace(a), np.sqrt(var / REPEATS), "normal")
+    assert_mean_within(samples, np.trace(a), np.sqrt(var / REPEATS), "normal")
 
 
 def test_docs_example_runs():
