@@ -23,7 +23,7 @@ import numpy as np
 
 import eqfisher as ef
 from eqfisher import _statistics as stats
-from eqfisher.tracing import Traced, split
+from eqfisher.internal import Traced, split
 
 
 class CNN(eqx.Module):

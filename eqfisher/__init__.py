@@ -14,32 +14,32 @@ from ._examples import (
     IndependentExamples as IndependentExamples,
     InteractingExamples as InteractingExamples,
 )
-from .curvature import (
+from ._curvature import (
     Curvature as Curvature,
     curvature as curvature,
     value_grad_and_curvature as value_grad_and_curvature,
 )
-from .estimators import (
+from ._estimators import (
     GGN as GGN,
     AbstractEstimator as AbstractEstimator,
     EmpiricalFisher as EmpiricalFisher,
     FisherExact as FisherExact,
     FisherMC as FisherMC,
 )
-from .layers import LayerInfo as LayerInfo
+from ._layers import LayerInfo as LayerInfo
 from .losses import (
     register_loss as register_loss,
     sigmoid_cross_entropy as sigmoid_cross_entropy,
     softmax_cross_entropy as softmax_cross_entropy,
     squared_error as squared_error,
 )
-from .products import (
+from ._products import (
     empirical_fisher_operator as empirical_fisher_operator,
     ggn_operator as ggn_operator,
     hessian_operator as hessian_operator,
     stop_hessian as stop_hessian,
 )
-from .structures import (
+from ._structures import (
     EKFAC as EKFAC,
     KFAC as KFAC,
     AbstractStructure as AbstractStructure,
@@ -47,7 +47,7 @@ from .structures import (
     Dense as Dense,
     Diagonal as Diagonal,
 )
-from .tracing import (
+from ._tracing import (
     LayerData as LayerData,
     LayerReport as LayerReport,
     RegisteredLoss as RegisteredLoss,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int, PyTree
 
-from .products import ggn_operator
+from ._products import ggn_operator
 
 
 class QuadraticModel:

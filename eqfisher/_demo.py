@@ -15,11 +15,11 @@ from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
 from . import optim
-from .curvature import value_grad_and_curvature
-from .estimators import FisherMC
+from ._curvature import value_grad_and_curvature
+from ._estimators import FisherMC
 from .losses import softmax_cross_entropy
-from .structures import KFAC
-from .tracing import find_layers
+from ._structures import KFAC
+from ._tracing import find_layers
 
 
 TARGET_LOSS = 0.05

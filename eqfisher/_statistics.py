@@ -11,9 +11,9 @@ from jaxtyping import Array, Float
 
 from ._examples import leaf_axes
 from ._program import VarMap
-from .layers import LayerRecord
+from ._layers import LayerRecord
 from .losses import loss_tag_p
-from .tracing import ProcessedTrace, Split, Traced, split
+from ._tracing import ProcessedTrace, Split, Traced, split
 
 
 def stat_dtype(dtype) -> jnp.dtype:

@@ -22,7 +22,7 @@ import lineax as lx
 from jaxtyping import Array, Float, PyTree, ScalarLike
 
 from . import filters
-from .curvature import Curvature
+from ._curvature import Curvature
 
 
 class AbstractInverse(eqx.Module):

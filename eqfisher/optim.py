@@ -26,9 +26,9 @@ from jaxtyping import Array, Float, Int, PyTree
 
 from ._adaptive import AdaptiveState, QuadraticModel, adaptive_steps, quadratic_model
 from ._damping import AbstractDamping, FactoredTikhonov, Tikhonov, tikhonov_inverse
-from .curvature import Curvature, value_grad_and_curvature
-from .estimators import AbstractEstimator
-from .structures import AbstractStructure
+from ._curvature import Curvature, value_grad_and_curvature
+from ._estimators import AbstractEstimator
+from ._structures import AbstractStructure
 
 
 ScalarOrSchedule = float | Float[Array, ""] | optax.Schedule

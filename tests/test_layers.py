@@ -9,7 +9,7 @@ import pytest
 from zoo import BY_NAME, F64, ZOO, ZooEntry
 
 import eqfisher as ef
-from eqfisher.tracing import split, trace
+from eqfisher.internal import split, trace
 
 
 @pytest.mark.parametrize("entry", ZOO, ids=[e.name for e in ZOO])

@@ -12,8 +12,8 @@ from helpers import tree_allclose
 from zoo import BY_NAME, ZOO, ZooEntry
 
 import eqfisher as ef
-from eqfisher.layers import LayerRecord
-from eqfisher.tracing import split, trace
+from eqfisher.internal import LayerRecord
+from eqfisher.internal import split, trace
 
 
 IDS = [e.name for e in ZOO]

@@ -17,7 +17,7 @@ from ..blocks import (
     KroneckerFactored,
 )
 from ..blocks._layout import from_matrix, rotate_scale, to_matrix
-from ..curvature import Curvature
+from .._curvature import Curvature
 
 
 def block_parts(curv: Curvature) -> list[tuple[str, tuple[int, ...], tuple]]:

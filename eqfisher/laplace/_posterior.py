@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree, ScalarLike
 
-from ..curvature import Curvature, curvature
-from ..estimators import GGN, AbstractEstimator
-from ..structures import AbstractStructure
-from ..tracing import loss_tags_jvp
+from .._curvature import Curvature, curvature
+from .._estimators import GGN, AbstractEstimator
+from .._structures import AbstractStructure
+from .._tracing import loss_tags_jvp
 from ._blockwise import (
     block_size,
     block_values,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._examples import split_along
-from .tracing import RegisteredLoss
+from ._tracing import RegisteredLoss
 
 
 class AbstractEstimator(eqx.Module):

@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, PyTree
 
 from . import _compat, _objective
 from ._program import Evaluation, Program, PVar, VarMap, evaluate, flatten
-from .layers import LayerInfo, LayerRecord, detect, sources, unit_paths
+from ._layers import LayerInfo, LayerRecord, detect, sources, unit_paths
 from .losses import AbstractLossFamily, loss_tag_p, loss_value_tag_p
 
 

@@ -23,14 +23,14 @@ from .blocks import (
 )
 from .blocks._base import register_psd_operator
 from .blocks._layout import to_matrix
-from .estimators import (
+from ._estimators import (
     AbstractEstimator,
     full_batch_split,
     loss_vectors,
     per_example_split,
     stacked_vectors,
 )
-from .structures import (
+from ._structures import (
     EKFAC,
     AbstractStructure,
     BlockDiagonal,
@@ -39,7 +39,7 @@ from .structures import (
     groups,
     matrix_gib,
 )
-from .tracing import Traced, split
+from ._tracing import Traced, split
 
 
 class Curvature(lx.AbstractLinearOperator):

@@ -18,8 +18,8 @@ from typing import Literal
 import equinox as eqx
 import jax.numpy as jnp
 
-from .layers import LayerRecord
-from .tracing import ProcessedTrace
+from ._layers import LayerRecord
+from ._tracing import ProcessedTrace
 
 
 class AbstractStructure(eqx.Module):

@@ -1,0 +1,15 @@
+"""eqfisher's internals, for tests, benchmarks and advanced users.
+
+Nothing here is covered by the API's stability promise: names may change between
+minor versions. It exists so that tests and benchmarks need no private module
+(as `equinox.internal` does for Equinox).
+"""
+
+from ._layers import LayerRecord as LayerRecord, detect as detect
+from ._tracing import (
+    ProcessedTrace as ProcessedTrace,
+    Split as Split,
+    Traced as Traced,
+    split as split,
+    trace as trace,
+)
