@@ -9,11 +9,6 @@ from . import (
     optim as optim,
     spectral as spectral,
 )
-from ._examples import (
-    AbstractExamples as AbstractExamples,
-    IndependentExamples as IndependentExamples,
-    InteractingExamples as InteractingExamples,
-)
 from ._curvature import (
     Curvature as Curvature,
     curvature as curvature,
@@ -26,13 +21,12 @@ from ._estimators import (
     FisherExact as FisherExact,
     FisherMC as FisherMC,
 )
-from ._layers import LayerInfo as LayerInfo
-from .losses import (
-    register_loss as register_loss,
-    sigmoid_cross_entropy as sigmoid_cross_entropy,
-    softmax_cross_entropy as softmax_cross_entropy,
-    squared_error as squared_error,
+from ._examples import (
+    AbstractExamples as AbstractExamples,
+    IndependentExamples as IndependentExamples,
+    InteractingExamples as InteractingExamples,
 )
+from ._layers import LayerInfo as LayerInfo
 from ._products import (
     empirical_fisher_operator as empirical_fisher_operator,
     ggn_operator as ggn_operator,
@@ -56,6 +50,12 @@ from ._tracing import (
     loss_tags_hvp as loss_tags_hvp,
     loss_tags_jvp as loss_tags_jvp,
     loss_tags_vjp as loss_tags_vjp,
+)
+from .losses import (
+    register_loss as register_loss,
+    sigmoid_cross_entropy as sigmoid_cross_entropy,
+    softmax_cross_entropy as softmax_cross_entropy,
+    squared_error as squared_error,
 )
 
 

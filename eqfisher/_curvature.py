@@ -13,16 +13,6 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree, ScalarLike
 
 from . import _statistics as stats, filters
-from ._examples import AbstractExamples, IndependentExamples, InteractingExamples
-from .blocks import (
-    AbstractBlock,
-    Diagonal as DiagonalBlock,
-    Full,
-    KroneckerFactored,
-    ekfac_from_kronecker,
-)
-from .blocks._base import register_psd_operator
-from .blocks._layout import to_matrix
 from ._estimators import (
     AbstractEstimator,
     full_batch_split,
@@ -30,6 +20,7 @@ from ._estimators import (
     per_example_split,
     stacked_vectors,
 )
+from ._examples import AbstractExamples, IndependentExamples, InteractingExamples
 from ._structures import (
     EKFAC,
     AbstractStructure,
@@ -40,6 +31,15 @@ from ._structures import (
     matrix_gib,
 )
 from ._tracing import Traced, split
+from .blocks import (
+    AbstractBlock,
+    Diagonal as DiagonalBlock,
+    Full,
+    KroneckerFactored,
+    ekfac_from_kronecker,
+)
+from .blocks._base import register_psd_operator
+from .blocks._layout import to_matrix
 
 
 class Curvature(lx.AbstractLinearOperator):

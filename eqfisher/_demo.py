@@ -17,9 +17,9 @@ from tqdm import tqdm
 from . import optim
 from ._curvature import value_grad_and_curvature
 from ._estimators import FisherMC
-from .losses import softmax_cross_entropy
 from ._structures import KFAC
 from ._tracing import find_layers
+from .losses import softmax_cross_entropy
 
 
 TARGET_LOSS = 0.05

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from ._examples import leaf_axes
-from ._program import VarMap
 from ._layers import LayerRecord
-from .losses import loss_tag_p
+from ._program import VarMap
 from ._tracing import ProcessedTrace, Split, Traced, split
+from .losses import loss_tag_p
 
 
 def stat_dtype(dtype) -> jnp.dtype:

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PyTree
 
 from . import _compat, _objective
-from ._program import Evaluation, Program, PVar, VarMap, evaluate, flatten
 from ._layers import LayerInfo, LayerRecord, detect, sources, unit_paths
+from ._program import Evaluation, Program, PVar, VarMap, evaluate, flatten
 from .losses import AbstractLossFamily, loss_tag_p, loss_value_tag_p
 
 

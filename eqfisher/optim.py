@@ -25,8 +25,8 @@ import optax
 from jaxtyping import Array, Float, Int, PyTree
 
 from ._adaptive import AdaptiveState, QuadraticModel, adaptive_steps, quadratic_model
-from ._damping import AbstractDamping, FactoredTikhonov, Tikhonov, tikhonov_inverse
 from ._curvature import Curvature, value_grad_and_curvature
+from ._damping import AbstractDamping, FactoredTikhonov, Tikhonov, tikhonov_inverse
 from ._estimators import AbstractEstimator
 from ._structures import AbstractStructure
 

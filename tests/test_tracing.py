@@ -12,8 +12,7 @@ from helpers import tree_allclose
 from zoo import BY_NAME, ZOO, ZooEntry
 
 import eqfisher as ef
-from eqfisher.internal import LayerRecord
-from eqfisher.internal import split, trace
+from eqfisher.internal import LayerRecord, split, trace
 
 
 IDS = [e.name for e in ZOO]

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
+from .._curvature import Curvature
 from ..blocks import (
     AbstractBlock,
     Diagonal,
@@ -17,7 +18,6 @@ from ..blocks import (
     KroneckerFactored,
 )
 from ..blocks._layout import from_matrix, rotate_scale, to_matrix
-from .._curvature import Curvature
 
 
 def block_parts(curv: Curvature) -> list[tuple[str, tuple[int, ...], tuple]]:
