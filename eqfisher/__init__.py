@@ -36,10 +36,15 @@ from ._products import (
 from ._structures import (
     EKFAC as EKFAC,
     KFAC as KFAC,
+    AbstractKroneckerStructure as AbstractKroneckerStructure,
     AbstractStructure as AbstractStructure,
     BlockDiagonal as BlockDiagonal,
     Dense as Dense,
     Diagonal as Diagonal,
+    Group as Group,
+    Needs as Needs,
+    PerLayer as PerLayer,
+    Statistics as Statistics,
 )
 from ._tracing import (
     LayerData as LayerData,

@@ -13,33 +13,20 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree, ScalarLike
 
 from . import _statistics as stats, filters
-from ._estimators import (
-    AbstractEstimator,
-    full_batch_split,
-    loss_vectors,
-    per_example_split,
-    stacked_vectors,
-)
+from ._estimators import AbstractEstimator, loss_vectors, stacked_vectors
 from ._examples import AbstractExamples, IndependentExamples, InteractingExamples
 from ._structures import (
-    EKFAC,
     AbstractStructure,
-    BlockDiagonal,
-    Dense,
     Group,
-    groups,
+    Needs,
+    Statistics,
+    candidates,
+    check_groups,
     matrix_gib,
 )
 from ._tracing import Traced, split
-from .blocks import (
-    AbstractBlock,
-    Diagonal as DiagonalBlock,
-    Full,
-    KroneckerFactored,
-    ekfac_from_kronecker,
-)
+from .blocks import AbstractBlock
 from .blocks._base import register_psd_operator
-from .blocks._layout import to_matrix
 
 
 class Curvature(lx.AbstractLinearOperator):
@@ -246,9 +233,20 @@ class _Builder(eqx.Module):
         selected = _select(model, self.where, self.caller)
         s = split(model, batch)
         processed = self.traced.trace(s)
-        grouping = groups(self.structure, processed, selected, self.caller)
-        kron = [g for g in grouping if g.kronecker]
-        records = [r for g in kron for r in g.records]
+        found = candidates(
+            processed,
+            selected,
+            lambda r: stats.layer_inputs(r.kind).unsupported(r),
+        )
+        grouping = check_groups(
+            self.structure,
+            self.structure.groups(found, model, self.caller),
+            found,
+            self.caller,
+        )
+        grouping = sorted(grouping, key=lambda g: min(g.units))
+        needs = [_needs(self.structure, g, self.caller) for g in grouping]
+        records = [r for g, n in zip(grouping, needs) if n.kronecker for r in g.records]
         outputs, vjp, (losses, inputs), grad_vjp = stats.layer_outputs_vjp(
             processed, s, records, full=full
         )
@@ -262,48 +260,38 @@ class _Builder(eqx.Module):
             (grads,) = grad_vjp(cotangent_fn(outputs[0]))
         _, point_ct = jax.vmap(vjp)(vectors)
         params = eqx.filter(model, eqx.is_inexact_array)
-        need_examples = [g for g in grouping if g.needs_examples]
-        rows = {}
-        if need_examples:
-            parts = sorted({i for g in need_examples for i in g.leaves})
-            leaves = sorted({processed.units[i][0] for i in parts})
-            if isinstance(self.examples, InteractingExamples):
-                full_vectors = stacked_vectors(
-                    full_batch_split(self.estimator, per_loss, self.examples.axis)
-                )
-                p_ct, _ = jax.vmap(vjp)(full_vectors)
-                vecs = [p_ct[i] for i in leaves]
-            else:
-                vecs = stats.per_example_vectors(
-                    self.traced,
-                    model,
-                    batch,
-                    per_loss,
-                    [loss.inputs for loss in losses],
-                    lambda v: stacked_vectors(per_example_split(self.estimator, v)),
-                    leaves,
-                    self.examples.axis,
-                )
-            by_leaf = dict(zip(leaves, vecs))
-            for i in parts:
-                leaf, index = processed.units[i]
-                rows[i] = by_leaf[leaf][(slice(None),) + index]
+        rows = self._rows(
+            model, batch, processed, losses, per_loss, vjp, grouping, needs
+        )
         blocks, indices, slices = {}, [], []
         position = {p: j for j, p in enumerate(selected)}
-        for g in grouping:
-            uses = [
-                (inputs[records.index(r)], point_ct[r.outputs])
-                for r in (g.records if g.kronecker else ())
-            ]
-            reduce = (
-                _reduce_examples(
-                    self.structure, g, losses[0].inputs.shape[0], self.caller
-                )
-                if g.kronecker
-                else None
-            )
+        for g, n in zip(grouping, needs):
             values = tuple(processed.take(s.params, i) for i in g.leaves)
-            blocks[g.name] = _block(self.structure, g, values, uses, rows, reduce)
+            dtype = stats.stat_dtype(values[0].dtype)
+            a = gg = None
+            if n.kronecker:
+                uses = [
+                    (inputs[records.index(r)], point_ct[r.outputs]) for r in g.records
+                ]
+                reduce = _reduce_examples(
+                    self.structure, n, g, losses[0].inputs.shape[0], self.caller
+                )
+                a, gg = _factors(g, uses, dtype, reduce)
+            statistics = Statistics(
+                g.shapes,
+                a,
+                gg,
+                g.records[0].weight_perm if n.kronecker else None,
+                tuple(rows[i].astype(dtype) for i in g.leaves) if n.examples else None,
+            )
+            block = self.structure.block(g, statistics)
+            if not isinstance(block, AbstractBlock):
+                raise TypeError(
+                    f"`{self.caller}(..., structure={self.structure!r})`: "
+                    f"`{type(self.structure).__name__}.block` must return an "
+                    f"`eqfisher.blocks.AbstractBlock`, got {type(block).__name__}."
+                )
+            blocks[g.name] = block
             units = [processed.units[i] for i in g.leaves]
             indices.append((g.name, tuple(position[leaf] for leaf, _ in units)))
             slices.append(tuple(index for _, index in units))
@@ -321,48 +309,83 @@ class _Builder(eqx.Module):
             curv = Curvature(blocks, tuple(indices), structure)
         return curv, outputs, grads, s
 
+    def _rows(self, model, batch, processed, losses, per_loss, vjp, grouping, needs):
+        """Per parameter number, the exact per-example vectors `(m, *shape)`, for the
+        groups that need them."""
+        parts = sorted(
+            {i for g, n in zip(grouping, needs) if n.examples for i in g.leaves}
+        )
+        if not parts:
+            return {}
+        leaves = sorted({processed.units[i][0] for i in parts})
+        if isinstance(self.examples, InteractingExamples):
+            full_vectors = stacked_vectors(
+                [self.estimator.batch_vectors(v, self.examples.axis) for v in per_loss]
+            )
+            p_ct, _ = jax.vmap(vjp)(full_vectors)
+            vecs = [p_ct[i] for i in leaves]
+        else:
+            vecs = stats.per_example_vectors(
+                self.traced,
+                model,
+                batch,
+                per_loss,
+                [loss.inputs for loss in losses],
+                lambda v: stacked_vectors(
+                    [self.estimator.example_vectors(x) for x in v]
+                ),
+                leaves,
+                self.examples.axis,
+            )
+        by_leaf = dict(zip(leaves, vecs))
+        rows = {}
+        for i in parts:
+            leaf, index = processed.units[i]
+            rows[i] = by_leaf[leaf][(slice(None),) + index]
+        return rows
 
-def _reduce_examples(structure, g: Group, n: int, caller: str) -> int | None:
-    if getattr(structure, "weight_sharing", "expand") != "reduce":
-        return None
-    size = stats.example_axis_size(g.record)
-    if size != n:
+
+def _needs(structure: AbstractStructure, g: Group, caller: str) -> Needs:
+    n = structure.needs(g)
+    if not isinstance(n, Needs):
+        raise TypeError(
+            f"`{caller}(..., structure={structure!r})`: `{type(structure).__name__}"
+            f".needs` must return an `eqfisher.Needs`, got {n!r}."
+        )
+    if n.kronecker and not g.kronecker:
         raise ValueError(
-            f'`{caller}(..., structure={structure!r})`: "reduce" needs the layer\'s '
-            f"first location axis to be the example axis, but layer `{g.name}` has "
-            f"{size} there and the loss {n} examples."
+            f"`{caller}(..., structure={structure!r})`: `{type(structure).__name__}"
+            f".needs` asks for Kronecker factors for `{g.name}`, which has none "
+            "(`Group.kronecker` is False): ask for `examples=True` there."
         )
     return n
 
 
-def _block(structure, g: Group, leaves, uses, rows, reduce) -> AbstractBlock:
-    dtype = stats.stat_dtype(leaves[0].dtype)
-    if g.kronecker:
-        with_bias = len(g.leaves) == 2
-        # Tied weights: the applications pool their rows, as extra locations.
-        factors = [
-            stats.kronecker_factors(
-                r, x, g_stack, with_bias, dtype, reduce_examples=reduce
-            )
-            for r, (x, g_stack) in zip(g.records, uses)
-        ]
-        total = sum(n for _, _, n in factors)
-        a = sum(a_u * (n / total) for a_u, _, n in factors)
-        gg = sum(g_u for _, g_u, _ in factors)
-        block = KroneckerFactored(
-            a, gg, weight_perm=g.record.weight_perm, structure=leaves
+def _reduce_examples(structure, n: Needs, g: Group, size: int, caller: str):
+    if n.weight_sharing != "reduce":
+        return None
+    first = stats.example_axis_size(g.records[0])
+    if first != size:
+        raise ValueError(
+            f'`{caller}(..., structure={structure!r})`: "reduce" needs the layer\'s '
+            f"first location axis to be the example axis, but layer `{g.name}` has "
+            f"{first} there and the loss {size} examples."
         )
-        if isinstance(structure, EKFAC):
-            mats = jax.vmap(
-                lambda *v: to_matrix(v, g.record.weight_perm, g.record.d_out)
-            )(*(rows[i] for i in g.leaves))
-            return ekfac_from_kronecker(block, mats.astype(dtype))
-        return block
-    u = [rows[i].astype(dtype) for i in g.leaves]
-    if isinstance(structure, (Dense, BlockDiagonal)):
-        m = stats.ravel_rows(u)
-        return Full(m.T @ m, leaves)
-    return DiagonalBlock(tuple(jnp.sum(r**2, axis=0) for r in u))
+    return size
+
+
+def _factors(g: Group, uses, dtype, reduce) -> tuple[Array, Array]:
+    """K-FAC's A and G; tied weights pool their applications' rows as extra
+    locations."""
+    with_bias = len(g.leaves) == 2
+    factors = [
+        stats.kronecker_factors(r, x, g_stack, with_bias, dtype, reduce_examples=reduce)
+        for r, (x, g_stack) in zip(g.records, uses)
+    ]
+    total = sum(n for _, _, n in factors)
+    a = sum(a_u * (n / total) for a_u, _, n in factors)
+    gg = sum(g_u for _, g_u, _ in factors)
+    return a, gg
 
 
 def curvature(

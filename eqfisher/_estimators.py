@@ -22,7 +22,19 @@ from ._tracing import RegisteredLoss
 
 
 class AbstractEstimator(eqx.Module):
-    """Which curvature matrix to estimate."""
+    """Which curvature matrix to estimate.
+
+    An estimator sets `needs_key` and implements three methods:
+
+    - `output_vectors(loss, key)`: the scaled vectors V, `(k, *leading, out)`, whose
+      outer products give the curvature in the loss's inputs (see the module).
+    - `example_vectors(vectors)`: from V with the example axis first after k,
+      `(k, n, *positions, out)`, the vectors whose pullbacks through one example's
+      Jacobian give that example's exact curvature.
+    - `batch_vectors(vectors, axis)`: the vectors whose pullbacks through the whole
+      batch give the exact curvature when examples interact (`axis`: the example
+      axis among the leading axes).
+    """
 
     needs_key: eqx.AbstractClassVar[bool]
 
@@ -31,6 +43,30 @@ class AbstractEstimator(eqx.Module):
         self, loss: RegisteredLoss, key: PRNGKeyArray | None
     ) -> Float[Array, "k *leading out"]:
         """The scaled vectors V whose outer products give the loss-output curvature."""
+
+    @abc.abstractmethod
+    def example_vectors(
+        self, vectors: Float[Array, "k n *positions out"]
+    ) -> Float[Array, "kk n *positions out"]:
+        """The vectors whose per-example pullbacks give the exact curvature."""
+
+    @abc.abstractmethod
+    def batch_vectors(
+        self, vectors: Float[Array, "k *leading out"], axis: int
+    ) -> Float[Array, "kk *leading out"]:
+        """The vectors whose full-batch pullbacks give the exact curvature."""
+
+
+def split_positions(vectors: Array) -> Array:
+    """`example_vectors` for a square root of a loss Hessian that is block-diagonal
+    over positions: one vector per position (see `_per_position`)."""
+    return vectors if vectors.ndim <= 3 else _per_position(vectors)
+
+
+def split_everywhere(vectors: Array) -> Array:
+    """`batch_vectors` for a square root of a loss Hessian that is block-diagonal
+    over positions: one vector per leading index (example and position)."""
+    return split_along(vectors, tuple(range(vectors.ndim - 2)))
 
 
 def _sqrt_weights(loss: RegisteredLoss) -> Array:
@@ -50,6 +86,12 @@ class GGN(AbstractEstimator):
         s = loss.family.sqrt_hessian(loss.inputs)  # (*leading, out, k)
         return jnp.moveaxis(s * _sqrt_weights(loss)[..., None], -1, 0)
 
+    def example_vectors(self, vectors):
+        return split_positions(vectors)
+
+    def batch_vectors(self, vectors, axis):
+        return split_everywhere(vectors)
+
 
 class FisherExact(AbstractEstimator):
     """The Fisher information under the model's predictive distribution, exactly.
@@ -62,6 +104,12 @@ class FisherExact(AbstractEstimator):
 
     def output_vectors(self, loss, key):
         return GGN().output_vectors(loss, key)
+
+    def example_vectors(self, vectors):
+        return split_positions(vectors)
+
+    def batch_vectors(self, vectors, axis):
+        return split_everywhere(vectors)
 
 
 class FisherMC(AbstractEstimator):
@@ -96,6 +144,13 @@ class FisherMC(AbstractEstimator):
         scale = jnp.sqrt(jnp.asarray(1.0 / self.samples, inputs.dtype))
         return grads * _sqrt_weights(loss)[None] * scale
 
+    def example_vectors(self, vectors):
+        # Cross-position terms vanish in expectation: no split.
+        return vectors
+
+    def batch_vectors(self, vectors, axis):
+        return split_along(vectors, (axis,))
+
 
 class EmpiricalFisher(AbstractEstimator):
     """Σₙ wₙ ∇ℓₙ ∇ℓₙᵀ: outer products of per-example gradients at the data targets."""
@@ -105,6 +160,13 @@ class EmpiricalFisher(AbstractEstimator):
     def output_vectors(self, loss, key):
         grads = loss.family.output_gradient(loss.inputs, loss.targets)
         return (grads * _sqrt_weights(loss))[None]
+
+    def example_vectors(self, vectors):
+        # An example's gradient sums over its positions: no split.
+        return vectors
+
+    def batch_vectors(self, vectors, axis):
+        return split_along(vectors, (axis,))
 
 
 def _per_position(v: Array) -> Array:
@@ -140,32 +202,6 @@ def loss_vectors(
         jax.lax.stop_gradient(estimator.output_vectors(loss, k))
         for loss, k in zip(losses, keys)
     ]
-
-
-def per_example_split(
-    estimator: AbstractEstimator, per_loss: list[Array]
-) -> list[Array]:
-    """The vectors whose per-example pullbacks give the exact curvature.
-
-    For `GGN` and `FisherExact` on losses with positions within an example, the
-    vectors are split by position (see `_per_position`). Monte-Carlo vectors need
-    no split (their cross terms vanish in expectation), nor do the empirical
-    Fisher's (an example's gradient sums over its positions).
-    """
-    if not isinstance(estimator, (GGN, FisherExact)):
-        return per_loss
-    return [v if v.ndim <= 3 else _per_position(v) for v in per_loss]
-
-
-def full_batch_split(
-    estimator: AbstractEstimator, per_loss: list[Array], axis: int
-) -> list[Array]:
-    """The vectors whose full-batch pullbacks give the exact curvature when
-    examples interact: for `GGN` and `FisherExact` one per position (every leading
-    axis), for the others one per example (`axis` of the leading axes)."""
-    if isinstance(estimator, (GGN, FisherExact)):
-        return [split_along(v, tuple(range(v.ndim - 2))) for v in per_loss]
-    return [split_along(v, (axis,)) for v in per_loss]
 
 
 def stacked_vectors(per_loss: list[Array]) -> tuple[Array, ...]:

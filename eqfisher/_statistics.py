@@ -1,6 +1,11 @@
 """Curvature statistics: K-FAC factors from one forward and a stacked VJP, and
-exact per-example parameter vectors for the structures that need them."""
+exact per-example parameter vectors for the structures that need them.
 
+Each layer kind has its input statistics as a type (`AbstractLayerInputs`), found
+from the kind by `layer_inputs`; a kind without one raises `NotImplementedError`.
+"""
+
+import abc
 import math
 from collections.abc import Callable, Sequence
 
@@ -10,7 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from ._examples import leaf_axes
-from ._layers import LayerRecord
+from ._layers import LayerKind, LayerRecord
 from ._program import VarMap
 from ._tracing import ProcessedTrace, Split, Traced, split
 from .losses import loss_tag_p
@@ -21,34 +26,111 @@ def stat_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float32) if jnp.finfo(dtype).bits < 32 else jnp.dtype(dtype)
 
 
-def input_matrix(record: LayerRecord, x: Array, with_bias: bool) -> Array:
-    """The `(locations, d_in [+1])` matrix of layer inputs (patches for a conv)."""
-    dtype = stat_dtype(x.dtype) if record.kind != "embedding" else jnp.float32
-    if record.kind == "dense":
+class AbstractLayerInputs(eqx.Module):
+    """What K-FAC's input factor A is for one layer kind."""
+
+    @abc.abstractmethod
+    def unsupported(self, record: LayerRecord) -> str | None:
+        """Why this layer has no Kronecker factors (a phrase after its name), or
+        None when it has them."""
+
+    @abc.abstractmethod
+    def moments(
+        self, record: LayerRecord, x: Array, reduce_examples: int | None, dtype
+    ) -> tuple[Float[Array, "d d"], Float[Array, " d"], int]:
+        """`(Σ a aᵀ, Σ a, rows)` over the layer's input rows `a` (each example's
+        mean row with `reduce_examples`)."""
+
+
+def _mean_rows(a: Array, reduce_examples: int | None) -> Array:
+    if reduce_examples is None:
+        return a
+    return a.reshape(reduce_examples, -1, a.shape[-1]).mean(1)
+
+
+def _moments_of(a: Array) -> tuple[Array, Array, int]:
+    return a.T @ a, jnp.sum(a, axis=0), a.shape[0]
+
+
+class _DenseInputs(AbstractLayerInputs):
+    def unsupported(self, record):
+        return None
+
+    def moments(self, record, x, reduce_examples, dtype):
         a = jnp.transpose(x, record.in_order).reshape(-1, record.d_in)
-    elif record.kind == "conv":
-        p = record.core.params
-        dn = p["dimension_numbers"]
-        kernel_shape = record.core.eqn.invars[1].aval.shape
-        patches = jax.lax.conv_general_dilated_patches(
-            x,
-            tuple(kernel_shape[i] for i in dn.rhs_spec[2:]),
-            p["window_strides"],
-            p["padding"],
-            p["lhs_dilation"],
-            p["rhs_dilation"],
-            dn,
-            precision=jax.lax.Precision.HIGHEST,
-        )
-        a = jnp.moveaxis(patches, dn.out_spec[1], -1).reshape(-1, record.d_in)
-    elif record.kind == "embedding":
-        return x[..., record.in_order[0]].reshape(-1)
-    else:
-        raise ValueError(f"no input matrix for a {record.kind} layer")
-    a = a.astype(dtype)
-    if with_bias:
-        a = jnp.concatenate([a, jnp.ones((a.shape[0], 1), dtype)], axis=1)
-    return a
+        return _moments_of(_mean_rows(a.astype(dtype), reduce_examples))
+
+
+def _patches(record: LayerRecord, x: Array) -> Array:
+    """The `(locations, d_in)` patch matrix of a conv layer's input."""
+    p = record.core.params
+    dn = p["dimension_numbers"]
+    kernel_shape = record.core.eqn.invars[1].aval.shape
+    patches = jax.lax.conv_general_dilated_patches(
+        x,
+        tuple(kernel_shape[i] for i in dn.rhs_spec[2:]),
+        p["window_strides"],
+        p["padding"],
+        p["lhs_dilation"],
+        p["rhs_dilation"],
+        dn,
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    return jnp.moveaxis(patches, dn.out_spec[1], -1).reshape(-1, record.d_in)
+
+
+class _ConvInputs(AbstractLayerInputs):
+    def unsupported(self, record):
+        if record.core.params["feature_group_count"] != 1:
+            return (
+                "is a grouped convolution, whose curvature is block-diagonal over "
+                "its groups; K-FAC does not support it yet"
+            )
+        return None
+
+    def moments(self, record, x, reduce_examples, dtype):
+        if _patches_too_large(record):
+            return _chunked_patches(record, x, reduce_examples)
+        a = _patches(record, x).astype(dtype)
+        return _moments_of(_mean_rows(a, reduce_examples))
+
+
+class _EmbeddingInputs(AbstractLayerInputs):
+    # A is diagonal (token frequencies), returned densely; its mean row is the
+    # same diagonal, so the bias coupling is that of a dense layer.
+    def unsupported(self, record):
+        return None
+
+    def moments(self, record, x, reduce_examples, dtype):
+        ids = x[..., record.in_order[0]].reshape(-1)
+        counts = jnp.zeros((record.d_in,), dtype).at[ids].add(1)
+        return jnp.diag(counts), counts, ids.shape[0]
+
+
+class _ScaleAndShiftInputs(AbstractLayerInputs):
+    def unsupported(self, record):
+        return "is a scale-and-shift layer, whose curvature eqfisher keeps exact"
+
+    def moments(self, record, x, reduce_examples, dtype):
+        raise NotImplementedError("a scale-and-shift layer has no Kronecker factors")
+
+
+def layer_inputs(kind: LayerKind) -> AbstractLayerInputs:
+    """The input statistics of a layer kind."""
+    match kind:
+        case "dense":
+            return _DenseInputs()
+        case "conv":
+            return _ConvInputs()
+        case "embedding":
+            return _EmbeddingInputs()
+        case "scale_and_shift":
+            return _ScaleAndShiftInputs()
+    raise NotImplementedError(
+        f"eqfisher has no curvature statistics for a {kind!r} layer: subclass "
+        "`AbstractLayerInputs` in eqfisher/_statistics.py and return it from "
+        "`layer_inputs`."
+    )
 
 
 def output_matrix(record: LayerRecord, g: Array) -> Array:
@@ -86,17 +168,10 @@ def kronecker_factors(
         gm = gm.reshape(gm.shape[0], reduce_examples, -1, gm.shape[-1]).sum(2)
     gm = gm.reshape(-1, gm.shape[-1])
     g = (gm.T @ gm).astype(dtype)
-    if record.kind == "embedding":
-        ids = input_matrix(record, x, False)
-        counts = jnp.zeros((record.d_in,), dtype).at[ids].add(1)
-        return jnp.diag(counts / ids.shape[0]), g, ids.shape[0]
-    if _patches_too_large(record):
-        aa, s, n = _chunked_patches(record, x, reduce_examples)
-    else:
-        a = input_matrix(record, x, False)
-        if reduce_examples is not None:
-            a = a.reshape(reduce_examples, -1, a.shape[-1]).mean(1)
-        n, aa, s = a.shape[0], a.T @ a, jnp.sum(a, axis=0)
+    inexact = jnp.issubdtype(x.dtype, jnp.inexact)
+    aa, s, n = layer_inputs(record.kind).moments(
+        record, x, reduce_examples, stat_dtype(x.dtype) if inexact else dtype
+    )
     aa, s = (aa / n).astype(dtype), (s / n).astype(dtype)
     if with_bias:
         # [a; 1] blocks, without copying `a` into a wider matrix.
@@ -112,9 +187,8 @@ def _patch_elements(record: LayerRecord) -> int:
 
 
 def _patches_too_large(record: LayerRecord) -> bool:
-    """Whether the whole patch matrix (all locations × d_in) is over the limit."""
-    if record.kind != "conv":
-        return False
+    """Whether a conv layer's whole patch matrix (all locations × d_in) is over
+    the limit."""
     locations = math.prod(record.core.eqn.outvars[0].aval.shape) // record.d_out
     return locations * record.d_in > MAX_PATCH_ELEMENTS
 
@@ -141,7 +215,7 @@ def _chunked_patches(
     dtype = stat_dtype(x.dtype)
 
     def body(carry, xc):
-        a = input_matrix(record, jnp.moveaxis(xc, 0, axis), False)
+        a = _patches(record, jnp.moveaxis(xc, 0, axis)).astype(dtype)
         if reduce_examples is not None:
             a = a.reshape(chunk, -1, d).mean(1)
         aa, s = carry

@@ -7,23 +7,37 @@
 | `Diagonal()` | `Diagonal` (exact diagonal) | `Diagonal` | `Diagonal` |
 | `KFAC()` | `KroneckerFactored` | `Diagonal` (exact) | `Diagonal` (exact) |
 | `EKFAC()` | `EigenKroneckerFactored` | `Diagonal` (exact) | `Diagonal` (exact) |
+| `PerLayer(...)` | the structure whose filter selects the layer | same | same |
+
+A structure carries its behaviour as three methods, called in this order by
+`eqfisher.curvature`: `groups` (which parameters share a block), `needs` (which
+statistics a block is built from) and `block` (the block, from those statistics).
+Structures know no jaxpr: they see `Group`s and `Statistics`.
 
 An embedding's K-FAC input factor is diagonal (token frequencies), stored densely.
 """
 
+import abc
 import dataclasses
 import math
 from typing import Literal
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float, PyTree
 
-from ._layers import LayerRecord
-from ._tracing import ProcessedTrace
-
-
-class AbstractStructure(eqx.Module):
-    """How the curvature is approximated."""
+from . import filters
+from ._layers import LayerInfo, LayerRecord
+from .blocks import (
+    AbstractBlock,
+    Diagonal as DiagonalBlock,
+    EigenKroneckerFactored,
+    Full,
+    KroneckerFactored,
+    ekfac_from_kronecker,
+)
+from .blocks._layout import to_matrix
 
 
 GIB = 2**30
@@ -34,6 +48,186 @@ def matrix_gib(sizes: list[int], dtype) -> float:
     are at least float32)."""
     n = sum(sizes)
     return n * n * max(jnp.dtype(dtype).itemsize, 4) / GIB
+
+
+WeightSharing = Literal["expand", "reduce"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """The parameters of one block: a layer's selected leaves, a leaf in no layer, or
+    a union of these (`Group.merge`).
+
+    **Fields:**
+
+    - `name`: the block's name in `Curvature.blocks` (the layer's model path, or a
+      parameter path for a leaf in no layer).
+    - `layer`: the `eqfisher.LayerInfo` of the layer, or None.
+    - `paths`: the parameters' paths, in operand order.
+    - `shapes`: the parameters as `jax.ShapeDtypeStruct`s: the block's operand.
+    - `kronecker`: whether Kronecker factors can be computed (a dense, conv or
+      embedding layer whose weight is selected).
+    - `unsupported`: why a layer with a weight has no Kronecker factors (a phrase
+      following its name), or None.
+
+    The other fields are eqfisher's bookkeeping: parameter numbers, the layer
+    applications, and which part of a `PerLayer` builds the block.
+    """
+
+    name: str
+    layer: LayerInfo | None
+    paths: tuple[str, ...]
+    shapes: tuple[jax.ShapeDtypeStruct, ...]
+    kronecker: bool
+    unsupported: str | None
+    leaves: tuple[int, ...]
+    units: tuple[tuple[int, tuple[int, ...]], ...]
+    records: tuple[LayerRecord, ...]
+    route: tuple[int, ...] = ()
+
+    @staticmethod
+    def merge(groups: tuple["Group", ...], name: str) -> "Group":
+        """One group over the parameters of `groups`, in model order, in no layer."""
+        items = sorted(
+            (u, i, p, s)
+            for g in groups
+            for u, i, p, s in zip(g.units, g.leaves, g.paths, g.shapes)
+        )
+        return Group(
+            name=name,
+            layer=None,
+            paths=tuple(p for _, _, p, _ in items),
+            shapes=tuple(s for _, _, _, s in items),
+            kronecker=False,
+            unsupported=None,
+            leaves=tuple(i for _, i, _, _ in items),
+            units=tuple(u for u, _, _, _ in items),
+            records=(),
+        )
+
+
+class Needs(eqx.Module):
+    """The statistics a structure builds one block from.
+
+    **Fields:**
+
+    - `kronecker`: K-FAC's factors A and G (only for a group with
+      `Group.kronecker`).
+    - `examples`: exact per-example vectors, whose outer products sum to the block.
+    - `weight_sharing`: the K-FAC variant of the factors, `"expand"` or `"reduce"`
+      (see `KFAC`).
+    """
+
+    kronecker: bool = eqx.field(static=True, default=False)
+    examples: bool = eqx.field(static=True, default=False)
+    weight_sharing: WeightSharing = eqx.field(static=True, default="expand")
+
+
+class Statistics(eqx.Module):
+    """What a structure receives to build one block: the statistics it asked for in
+    `Needs` (the others are None), in at least float32.
+
+    **Fields:**
+
+    - `shapes`: static; the block's operand (its parameters, as
+      `jax.ShapeDtypeStruct`s).
+    - `a`, `g`: K-FAC's input factor A `(d_in', d_in')` (d_in' = d_in + 1 with a
+      bias, its coordinate last) and output factor G `(d_out, d_out)`.
+    - `weight_perm`: static; how the weight maps to its `(d_out, d_in)` matrix view
+      (see `eqfisher.blocks.KroneckerFactored`).
+    - `rows`: per operand leaf, the per-example vectors `(m, *leaf.shape)`: the
+      curvature block is Σᵢ uᵢ uᵢᵀ over the ravelled rows uᵢ.
+    """
+
+    shapes: tuple[jax.ShapeDtypeStruct, ...] = eqx.field(static=True)
+    a: Float[Array, "d_in d_in"] | None = None
+    g: Float[Array, "d_out d_out"] | None = None
+    weight_perm: tuple[int, ...] | None = eqx.field(static=True, default=None)
+    rows: tuple[Float[Array, "m ..."], ...] | None = None
+
+    def _rows(self, method: str) -> tuple[Array, ...]:
+        if self.rows is None:
+            raise ValueError(
+                f"`Statistics.{method}()` needs per-example vectors: return "
+                "`eqfisher.Needs(examples=True)` from the structure's `needs`."
+            )
+        return self.rows
+
+    def _factors(self, method: str) -> tuple[Array, Array]:
+        if self.a is None or self.g is None:
+            raise ValueError(
+                f"`Statistics.{method}()` needs Kronecker factors: return "
+                "`eqfisher.Needs(kronecker=True)` from the structure's `needs` "
+                "(for a group with `Group.kronecker`)."
+            )
+        return self.a, self.g
+
+    def full(self) -> Full:
+        """The exact block, dense, from the per-example vectors."""
+        rows = self._rows("full")
+        m = jnp.concatenate([r.reshape(r.shape[0], -1) for r in rows], axis=1)
+        return Full(m.T @ m, self.shapes)
+
+    def diagonal(self) -> DiagonalBlock:
+        """The exact diagonal of the block, from the per-example vectors."""
+        return DiagonalBlock(
+            tuple(jnp.sum(r**2, axis=0) for r in self._rows("diagonal"))
+        )
+
+    def kronecker(self) -> KroneckerFactored:
+        """The K-FAC block G ⊗ A."""
+        a, g = self._factors("kronecker")
+        return KroneckerFactored(
+            a, g, weight_perm=self.weight_perm, structure=self.shapes
+        )
+
+    def eigen_kronecker(self) -> EigenKroneckerFactored:
+        """The EKFAC block: K-FAC's eigenbases with the exact diagonal of the block in
+        that basis (from the per-example vectors)."""
+        rows = self._rows("eigen_kronecker")
+        d_out = self._factors("eigen_kronecker")[1].shape[0]
+        mats = jax.vmap(lambda *v: to_matrix(v, self.weight_perm, d_out))(*rows)
+        return ekfac_from_kronecker(self.kronecker(), mats)
+
+
+class AbstractStructure(eqx.Module):
+    """How the curvature is approximated.
+
+    A structure implements three methods, which `eqfisher.curvature` calls in turn:
+
+    - `groups(candidates, model, caller)`: the blocks, as `Group`s, given one
+      candidate group per layer (its selected leaves) and per selected leaf in no
+      layer. Return `candidates` for one block per layer; merge them with
+      `Group.merge`.
+    - `needs(group)`: the `Needs` of one block.
+    - `block(group, statistics)`: the block, an `eqfisher.blocks.AbstractBlock` on
+      the operand `group.shapes`, from the `Statistics` asked for.
+    """
+
+    @abc.abstractmethod
+    def groups(
+        self, candidates: tuple[Group, ...], model: PyTree, caller: str
+    ) -> tuple[Group, ...]:
+        """The blocks over the `candidates` (one per layer and per leaf in no layer).
+
+        **Arguments:**
+
+        - `candidates`: the candidate groups, in model order.
+        - `model`: the model the curvature is computed for (for filters).
+        - `caller`: the public function called, for error messages.
+
+        **Returns:**
+
+        A tuple of `Group`s covering each candidate's parameters exactly once.
+        """
+
+    @abc.abstractmethod
+    def needs(self, group: Group) -> Needs:
+        """The statistics the block over `group` is built from."""
+
+    @abc.abstractmethod
+    def block(self, group: Group, statistics: Statistics) -> AbstractBlock:
+        """The block over `group`, from the `statistics` that `needs` asked for."""
 
 
 class Dense(AbstractStructure):
@@ -47,27 +241,107 @@ class Dense(AbstractStructure):
 
     max_gib: float = eqx.field(static=True, default=1.0)
 
+    def groups(self, candidates, model, caller):
+        merged = Group.merge(candidates, "all")
+        sizes = [math.prod(s.shape) for s in merged.shapes]
+        gib = matrix_gib(sizes, jnp.result_type(*[s.dtype for s in merged.shapes]))
+        if gib > self.max_gib:
+            raise ValueError(
+                f"`{caller}(..., structure=eqfisher.Dense())`: the dense matrix over "
+                f"{sum(sizes):,} parameters would take {gib:.2f} GiB, above "
+                f"`max_gib` = {self.max_gib}. Use structure=eqfisher.KFAC(), "
+                "BlockDiagonal() or Diagonal(), select fewer parameters with "
+                "`where=`, use the matrix-free eqfisher.ggn_operator, or raise the "
+                "limit with eqfisher.Dense(max_gib=...)."
+            )
+        return (merged,)
+
+    def needs(self, group):
+        return Needs(examples=True)
+
+    def block(self, group, statistics):
+        return statistics.full()
+
 
 class BlockDiagonal(AbstractStructure):
     """A dense block per layer; leaves in no layer get their own dense block."""
+
+    def groups(self, candidates, model, caller):
+        return candidates
+
+    def needs(self, group):
+        return Needs(examples=True)
+
+    def block(self, group, statistics):
+        return statistics.full()
 
 
 class Diagonal(AbstractStructure):
     """The exact diagonal of the curvature."""
 
+    def groups(self, candidates, model, caller):
+        return candidates
 
-WeightSharing = Literal["expand", "reduce"]
+    def needs(self, group):
+        return Needs(examples=True)
 
-
-def _check_sharing(structure) -> None:
-    if structure.weight_sharing not in ("expand", "reduce"):
-        raise ValueError(
-            f"`eqfisher.{type(structure).__name__}(weight_sharing=...)`: expected "
-            f"'expand' or 'reduce', got {structure.weight_sharing!r}."
-        )
+    def block(self, group, statistics):
+        return statistics.diagonal()
 
 
-class KFAC(AbstractStructure):
+class AbstractKroneckerStructure(AbstractStructure):
+    """Kronecker-factored blocks for the layers that have Kronecker factors, and
+    the exact diagonal for every other parameter (scale-and-shift layers, leaves in
+    no layer, a layer whose weight is not selected).
+
+    Subclasses set `weight_sharing` and implement `kronecker_block`.
+    """
+
+    weight_sharing: eqx.AbstractVar[WeightSharing]
+
+    def __check_init__(self):
+        if self.weight_sharing not in ("expand", "reduce"):
+            raise ValueError(
+                f"`eqfisher.{type(self).__name__}(weight_sharing=...)`: expected "
+                f"'expand' or 'reduce', got {self.weight_sharing!r}."
+            )
+
+    def groups(self, candidates, model, caller):
+        for g in candidates:
+            if g.unsupported is not None:
+                raise ValueError(
+                    f"`{caller}(..., structure={self!r})`: layer `{g.name}` "
+                    f"{g.unsupported}. Exclude it with `where=` (e.g. "
+                    f"`~eqfisher.filters.by_path('{g.name}.*')`), give it another "
+                    "structure with eqfisher.PerLayer, or use "
+                    "structure=eqfisher.Diagonal()."
+                )
+        return candidates
+
+    @abc.abstractmethod
+    def kronecker_examples(self) -> bool:
+        """Whether `kronecker_block` needs per-example vectors besides the factors."""
+
+    @abc.abstractmethod
+    def kronecker_block(self, group: Group, statistics: Statistics) -> AbstractBlock:
+        """The block of a layer with Kronecker factors."""
+
+    def needs(self, group):
+        if group.kronecker:
+            return Needs(
+                kronecker=True,
+                examples=self.kronecker_examples(),
+                weight_sharing=self.weight_sharing,
+            )
+        return Needs(examples=True)
+
+    def block(self, group, statistics):
+        if group.kronecker:
+            return self.kronecker_block(group, statistics)
+        return statistics.diagonal()
+
+
+class KFAC(AbstractKroneckerStructure):
     """Kronecker-factored blocks for dense, conv and embedding layers (K-FAC).
 
     A = mean over locations of ã ãᵀ (ã = [a; 1] with a bias), G = Σ over locations of
@@ -86,11 +360,14 @@ class KFAC(AbstractStructure):
 
     weight_sharing: WeightSharing = eqx.field(static=True, default="expand")
 
-    def __check_init__(self):
-        _check_sharing(self)
+    def kronecker_examples(self):
+        return False
+
+    def kronecker_block(self, group, statistics):
+        return statistics.kronecker()
 
 
-class EKFAC(AbstractStructure):
+class EKFAC(AbstractKroneckerStructure):
     """K-FAC eigenbases with the exact diagonal of the curvature in that basis.
 
     **Arguments:**
@@ -100,58 +377,150 @@ class EKFAC(AbstractStructure):
 
     weight_sharing: WeightSharing = eqx.field(static=True, default="expand")
 
-    def __check_init__(self):
-        _check_sharing(self)
+    def kronecker_examples(self):
+        return True
+
+    def kronecker_block(self, group, statistics):
+        return statistics.eigen_kronecker()
 
 
-@dataclasses.dataclass(frozen=True)
-class Group:
-    """The parameter leaves of one block, and the layer applications they come from
-    (several for tied weights, none for leaves in no layer)."""
-
-    name: str
-    leaves: tuple[int, ...]
-    records: tuple[LayerRecord, ...]
-    kronecker: bool
-    ekfac: bool = False
-
-    @property
-    def record(self) -> LayerRecord:
-        return self.records[0]
-
-    @property
-    def needs_examples(self) -> bool:
-        """Whether the block needs exact per-example parameter vectors."""
-        return not self.kronecker or self.ekfac
+def _leaf_mask(model: PyTree, where, caller: str, part: int) -> list[bool]:
+    """Per parameter leaf of `model`, whether `where` selects it."""
+    leaves = jax.tree_util.tree_leaves(model)
+    try:
+        flags = jax.tree_util.tree_leaves(filters.mask(model, where))
+    except ValueError as e:
+        raise ValueError(
+            f"`{caller}(..., structure=eqfisher.PerLayer(...))`: part {part}: {e}"
+        ) from None
+    return [f for f, x in zip(flags, leaves) if eqx.is_inexact_array(x)]
 
 
-def groups(
-    structure: AbstractStructure,
-    processed: ProcessedTrace,
-    selected: list[int],
-    caller: str,
-) -> list[Group]:
-    """The blocks `structure` builds over the `selected` parameter leaves.
+class PerLayer(AbstractStructure):
+    """Different structures for different layers, chosen with filters.
 
-    `Group.leaves` are parameter numbers (`ProcessedTrace.units`): whole leaves, or,
-    for a stacked leaf read by a scan, its per-step units.
+    ```python
+    structure = ef.PerLayer(
+        (ef.filters.by_path("embedding.*"), ef.Diagonal()),
+        (ef.filters.by_path("head.*"), ef.BlockDiagonal()),
+        default=ef.KFAC(),
+    )
+    ```
+
+    Each layer (and each leaf in no layer) takes the structure of the first part
+    whose filter selects its parameters, else `default`. A layer's parameters must
+    all go to one part (select whole layers, e.g. `by_path("head.*")`). Each part
+    groups its own layers: a `Dense()` part is one block over its layers, named
+    `"all"` (so at most one part may be `Dense()`).
+
+    **Arguments:**
+
+    - `*parts`: `(where, structure)` pairs; `where` is an `eqfisher.filters` filter
+      or an Equinox filter spec (as for `where=` of `eqfisher.curvature`).
+    - `default`: the structure of the parameters no part selects.
     """
-    if isinstance(structure, Dense):
-        avals = [processed.program.invars[i].aval for i in selected]
-        sizes = [math.prod(a.shape) for a in avals]
-        gib = matrix_gib(sizes, jnp.result_type(*[a.dtype for a in avals]))
-        if gib > structure.max_gib:
-            raise ValueError(
-                f"`{caller}(..., structure=eqfisher.Dense())`: the dense matrix over "
-                f"{sum(sizes):,} parameters would take {gib:.2f} GiB, above "
-                f"`max_gib` = {structure.max_gib}. Use structure=eqfisher.KFAC(), "
-                "BlockDiagonal() or Diagonal(), select fewer parameters with "
-                "`where=`, use the matrix-free eqfisher.ggn_operator, or raise the "
-                "limit with eqfisher.Dense(max_gib=...)."
+
+    parts: tuple[tuple[object, AbstractStructure], ...]
+    default: AbstractStructure
+
+    def __init__(self, *parts: tuple[object, AbstractStructure], default):
+        self.parts = tuple(tuple(p) for p in parts)
+        self.default = default
+
+    def __check_init__(self):
+        for i, part in enumerate(self.parts):
+            if len(part) != 2 or not isinstance(part[1], AbstractStructure):
+                raise TypeError(
+                    f"`eqfisher.PerLayer(*parts, default=...)`: part {i} must be a "
+                    "pair `(where, structure)` with a structure such as "
+                    f"eqfisher.Diagonal(), got {part!r}."
+                )
+        if not isinstance(self.default, AbstractStructure):
+            raise TypeError(
+                "`eqfisher.PerLayer(*parts, default=...)`: `default` must be a "
+                f"structure such as eqfisher.KFAC(), got {self.default!r}."
             )
-        return [Group("all", tuple(selected), (), False)]
-    selected = processed.parts(selected)
-    chosen = set(selected)
+
+    def _structures(self) -> tuple[AbstractStructure, ...]:
+        return tuple(s for _, s in self.parts) + (self.default,)
+
+    def groups(self, candidates, model, caller):
+        masks = [_leaf_mask(model, w, caller, i) for i, (w, _) in enumerate(self.parts)]
+        chosen: list[list[Group]] = [[] for _ in self._structures()]
+        for g in candidates:
+            parts = {
+                next((k for k, m in enumerate(masks) if m[leaf]), len(masks))
+                for leaf, _ in g.units
+            }
+            if len(parts) != 1:
+                raise ValueError(
+                    f"`{caller}(..., structure=eqfisher.PerLayer(...))`: the "
+                    f"parameters of `{g.name}` ({', '.join(g.paths)}) go to "
+                    f"different parts {sorted(parts)}; a block's parameters need "
+                    f"one structure. Select whole layers, e.g. "
+                    f"`eqfisher.filters.by_path('{g.name}.*')`."
+                )
+            chosen[parts.pop()].append(g)
+        out = []
+        for k, (structure, part) in enumerate(zip(self._structures(), chosen)):
+            if part:
+                out += [
+                    dataclasses.replace(g, route=(k,) + g.route)
+                    for g in structure.groups(tuple(part), model, caller)
+                ]
+        names = [g.name for g in out]
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(
+                f"`{caller}(..., structure=eqfisher.PerLayer(...))`: two parts "
+                f"build blocks named {twice}; use at most one `Dense()` part."
+            )
+        return tuple(out)
+
+    def _part(self, group: Group) -> tuple[AbstractStructure, Group]:
+        k = group.route[0]
+        return self._structures()[k], dataclasses.replace(group, route=group.route[1:])
+
+    def needs(self, group):
+        structure, group = self._part(group)
+        return structure.needs(group)
+
+    def block(self, group, statistics):
+        structure, group = self._part(group)
+        return structure.block(group, statistics)
+
+
+def candidates(processed, selected: list[int], unsupported) -> tuple[Group, ...]:
+    """One group per layer over its selected parameters, and one per selected
+    parameter in no layer, in model order.
+
+    `processed` is a `ProcessedTrace`, `selected` the selected leaves, and
+    `unsupported(record)` says why a layer has no Kronecker factors (or None).
+    Parameter numbers are `ProcessedTrace.units`: whole leaves, or, for a stacked
+    leaf read by a scan, its per-step units.
+    """
+    parts = processed.parts(selected)
+    chosen = set(parts)
+    avals = [v.aval for v in processed.program.invars]
+
+    def shape(i):
+        leaf, index = processed.units[i]
+        aval = avals[leaf]
+        return jax.ShapeDtypeStruct(aval.shape[len(index) :], aval.dtype)
+
+    def group(name, layer, leaves, records, kronecker, reason):
+        return Group(
+            name=name,
+            layer=layer,
+            paths=tuple(processed.paths[i] for i in leaves),
+            shapes=tuple(shape(i) for i in leaves),
+            kronecker=kronecker,
+            unsupported=reason,
+            leaves=leaves,
+            units=tuple(processed.units[i] for i in leaves),
+            records=records,
+        )
+
     applications: dict[tuple[int, ...], list[LayerRecord]] = {}
     for r in processed.layers:
         applications.setdefault(r.param_indices, []).append(r)
@@ -162,28 +531,35 @@ def groups(
         if not leaves:
             continue
         covered.update(leaves)
+        reason = unsupported(r)
         weight_in = r.weight_perm is not None and indices[0] in chosen
-        kron = isinstance(structure, (KFAC, EKFAC)) and r.kind != "scale_and_shift"
-        if kron and weight_in and r.kind == "conv":
-            if r.core.params["feature_group_count"] != 1:
-                raise ValueError(
-                    f"`{caller}(..., structure={structure!r})`: layer `{r.info.name}` "
-                    "is a grouped convolution, whose curvature is block-diagonal "
-                    "over its groups; K-FAC does not support it yet. Exclude it "
-                    "with `where=` (e.g. `~eqfisher.filters.by_path("
-                    f"'{r.info.name}.*')`) or use structure=eqfisher.Diagonal()."
-                )
-        out.append(
-            Group(
-                r.info.name,
-                leaves,
-                tuple(records),
-                kron and weight_in,
-                isinstance(structure, EKFAC),
-            )
-        )
-    for i in selected:
+        kron = weight_in and reason is None
+        # A layer without a weight (scale-and-shift) is not refused, only diagonal.
+        refused = reason if weight_in and r.weight_perm is not None else None
+        out.append(group(r.info.name, r.info, leaves, tuple(records), kron, refused))
+    for i in parts:
         if i not in covered:
-            out.append(Group(processed.paths[i].lstrip("."), (i,), (), False))
+            out.append(
+                group(processed.paths[i].lstrip("."), None, (i,), (), False, None)
+            )
     out.sort(key=lambda g: min(processed.units[i] for i in g.leaves))
-    return out
+    return tuple(out)
+
+
+def check_groups(
+    structure: AbstractStructure, groups, candidates: tuple[Group, ...], caller: str
+) -> tuple[Group, ...]:
+    """Checks that a structure's `groups` cover each candidate parameter once."""
+    if not isinstance(groups, tuple) or not all(isinstance(g, Group) for g in groups):
+        raise TypeError(
+            f"`{caller}(..., structure={structure!r})`: `{type(structure).__name__}"
+            f".groups` must return a tuple of `eqfisher.Group`s, got {groups!r}."
+        )
+    want = sorted(i for g in candidates for i in g.leaves)
+    got = sorted(i for g in groups for i in g.leaves)
+    if got != want:
+        raise ValueError(
+            f"`{caller}(..., structure={structure!r})`: `{type(structure).__name__}"
+            ".groups` must cover every candidate parameter exactly once."
+        )
+    return tuple(groups)
