@@ -88,11 +88,50 @@ class Curvature(lx.AbstractLinearOperator):
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def mv(self, vector: PyTree) -> PyTree:
+        """The product C v, for `vector` shaped like the parameters (a PyTree like
+        `eqx.filter(model, eqx.is_inexact_array)`, restricted by `where`).
+
+        **Raises:**
+
+        `ValueError` when `vector`'s leaves do not have the parameters' shapes.
+        """
         return self._map(vector, lambda b, v: b.mv(v), "mv")
 
     def solve(self, vector: PyTree, damping: ScalarLike) -> PyTree:
         """(C + damping·I)⁻¹ v, exact for every block type (K-FAC through its factors'
-        eigendecompositions)."""
+        eigendecompositions).
+
+        **Arguments:**
+
+        - `vector`: a PyTree shaped like the parameters (a gradient).
+        - `damping`: λ ≥ 0, added to every eigenvalue.
+
+        **Returns:**
+
+        A PyTree like `vector`.
+
+        **Raises:**
+
+        `ValueError` when `vector`'s leaves do not have the parameters' shapes, or
+        when `damping` is negative (a concrete value) or not a scalar.
+
+        !!! Example
+
+            ```python
+            model = eqx.nn.MLP(2, 3, 8, 1, key=jax.random.key(0))
+            x, y = jnp.ones((16, 2)), jnp.zeros(16, dtype=int)
+
+            def loss_fn(model, batch):
+                x, y = batch
+                return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
+
+            curv = ef.curvature(
+                loss_fn, model, (x, y), estimator=ef.GGN(), structure=ef.KFAC()
+            )
+            grads = eqx.filter_grad(loss_fn)(model, (x, y))
+            step = curv.solve(grads, 1e-3)  # (C + 0.001 I)⁻¹ g, like grads
+            ```
+        """
         return self._map(vector, lambda b, v: b.solve(v, damping), "solve")
 
     def as_matrix(self, max_gib: float | int = 1.0) -> Float[Array, "size size"]:
@@ -138,6 +177,7 @@ class Curvature(lx.AbstractLinearOperator):
         return sum(b.logdet(damping) for b in self.blocks.values())
 
     def trace(self) -> Float[Array, ""]:
+        """The trace, the sum of the blocks' traces (no dense matrix is formed)."""
         return sum(b.trace() for b in self.blocks.values())
 
     def ema(self, other: "Curvature", decay: ScalarLike) -> "Curvature":
@@ -148,12 +188,15 @@ class Curvature(lx.AbstractLinearOperator):
         return Curvature(new, self.leaf_indices, self.structure, self.leaf_slices)
 
     def transpose(self) -> "Curvature":
+        """The curvature itself: every curvature is symmetric."""
         return self
 
     def in_structure(self) -> PyTree:
+        """The operand, a PyTree of `jax.ShapeDtypeStruct` like the parameters."""
         return self.structure
 
     def out_structure(self) -> PyTree:
+        """As `in_structure`: the operator is square."""
         return self.structure
 
 
@@ -418,6 +461,32 @@ def curvature(
     **Returns:**
 
     A `Curvature`, a lineax operator over the (selected) parameters.
+
+    **Raises:**
+
+    - `TypeError` when `estimator`, `structure` or `examples` is not one of
+      eqfisher's types.
+    - `ValueError` when `FisherMC` gets no `key`, when `where` selects no
+      parameter, when `loss_fn` registers no loss or its value is not affine in the
+      registered losses, or when examples interact inside `loss_fn` (BatchNorm
+      statistics) under `IndependentExamples()`; each message names the fix.
+
+    !!! Example
+
+        ```python
+        model = eqx.nn.MLP(2, 3, 8, 1, key=jax.random.key(0))
+        x, y = jnp.ones((16, 2)), jnp.zeros(16, dtype=int)
+
+        def loss_fn(model, batch):
+            x, y = batch
+            return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
+
+        curv = ef.curvature(
+            loss_fn, model, (x, y), estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        print(curv.blocks.keys())  # layers[0], layers[1]: KroneckerFactored
+        print(curv.as_matrix().shape)  # (59, 59)
+        ```
     """
     _check_args("eqfisher.curvature", estimator, structure, key, examples)
     return _curvature_jit(
@@ -464,6 +533,27 @@ def value_grad_and_curvature(
     gradient; structures that need exact per-example Jacobians (`Dense`,
     `BlockDiagonal`, `Diagonal`, EKFAC's scales, leaves in no layer) add a
     per-example pass.
+
+    **Raises:**
+
+    `ValueError` when both `has_aux` and `surrogate` are set; at the first call,
+    the errors of `eqfisher.curvature`.
+
+    !!! Example
+
+        ```python
+        model = eqx.nn.MLP(2, 3, 8, 1, key=jax.random.key(0))
+        x, y = jnp.ones((16, 2)), jnp.zeros(16, dtype=int)
+
+        def loss_fn(model, batch):
+            x, y = batch
+            return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
+
+        vgc = ef.value_grad_and_curvature(
+            loss_fn, estimator=ef.FisherMC(), structure=ef.KFAC()
+        )
+        loss, grads, curv = vgc(model, (x, y), key=jax.random.key(1))
+        ```
     """
     caller = "eqfisher.value_grad_and_curvature"
     if has_aux and surrogate:
