@@ -393,8 +393,3 @@ def per_example_vectors(
         mismatch = mismatch | (jnp.max(jnp.abs(x - y)) > tol)
     out = [eqx.error_if(x, mismatch, f"`{caller}`: {INTERACTION}") for x in out]
     return [x.reshape((-1,) + x.shape[2:]) for x in out]
-
-
-def ravel_rows(rows: Sequence[Array]) -> Array:
-    """Concatenates `(M, *shape)` leaves into one `(M, Σ size)` matrix."""
-    return jnp.concatenate([r.reshape(r.shape[0], -1) for r in rows], axis=1)

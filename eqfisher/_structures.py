@@ -174,9 +174,14 @@ class Statistics(eqx.Module):
             tuple(jnp.sum(r**2, axis=0) for r in self._rows("diagonal"))
         )
 
-    def kronecker(self) -> KroneckerFactored:
-        """The K-FAC block G ⊗ A."""
+    def kronecker(self, max_factor_dim: int | None = None) -> KroneckerFactored:
+        """The K-FAC block G ⊗ A; a factor larger than `max_factor_dim` (if given)
+        is replaced by its diagonal, stored as a vector."""
         a, g = self._factors("kronecker")
+        if max_factor_dim is not None:
+            a, g = (
+                jnp.diagonal(f) if f.shape[0] > max_factor_dim else f for f in (a, g)
+            )
         return KroneckerFactored(
             a, g, weight_perm=self.weight_perm, structure=self.shapes
         )
@@ -356,15 +361,28 @@ class KFAC(AbstractKroneckerStructure):
       first averages the inputs and sums the output cotangents over each example's
       locations. They coincide when each example has one location. The example axis
       is the first location axis of the layer (the batch axis under `jax.vmap`).
+    - `max_factor_dim`: `None` (default), or a size above which a factor (A or G)
+      is kept diagonal: its diagonal, stored as a vector, as kfac_jax does for
+      large embeddings and output layers. Memory and solves are then linear in that
+      factor's size.
     """
 
     weight_sharing: WeightSharing = eqx.field(static=True, default="expand")
+    max_factor_dim: int | None = eqx.field(static=True, default=None)
+
+    def __check_init__(self):
+        m = self.max_factor_dim
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(
+                "`eqfisher.KFAC(max_factor_dim=...)`: expected None or a positive "
+                f"int, got {m!r}."
+            )
 
     def kronecker_examples(self):
         return False
 
     def kronecker_block(self, group, statistics):
-        return statistics.kronecker()
+        return statistics.kronecker(self.max_factor_dim)
 
 
 class EKFAC(AbstractKroneckerStructure):

@@ -26,18 +26,41 @@ from ._layout import (
 # Eigenvalues and eigenvectors, as returned by `jnp.linalg.eigh`.
 Eigh = tuple[Array, Array]
 
+# A Kronecker factor: a dense symmetric PSD matrix, or the non-negative diagonal of
+# a diagonal one (a vector).
+Factor = Float[Array, "d d"] | Float[Array, " d"]
 
-def _clamped_eigh(factor: Float[Array, "d d"]) -> Eigh:
+
+def _dense(factor: Factor) -> Float[Array, "d d"]:
+    return factor if factor.ndim == 2 else jnp.diag(factor)
+
+
+def _diagonal(factor: Factor) -> Float[Array, " d"]:
+    return jnp.diagonal(factor) if factor.ndim == 2 else factor
+
+
+def _left(factor: Factor, matrix: Array) -> Array:
+    """factor @ matrix."""
+    return factor @ matrix if factor.ndim == 2 else factor[:, None] * matrix
+
+
+def _right(matrix: Array, factor: Factor) -> Array:
+    """matrix @ factor."""
+    return matrix @ factor if factor.ndim == 2 else matrix * factor[None, :]
+
+
+def _clamped_eigh(factor: Factor) -> Eigh:
     # The factors are PSD; rounding (float32) can leave eigenvalues slightly below
     # zero, and their products with the other factor's below −damping: clamped, every
     # damped inverse and log-determinant stays finite for any positive damping.
+    if factor.ndim == 1:
+        # Transient identity eigenvectors: every consumer of `a_eig`/`g_eig` works.
+        return jnp.maximum(factor, 0), jnp.eye(factor.shape[0], dtype=factor.dtype)
     values, vectors = jnp.linalg.eigh(factor)
     return jnp.maximum(values, 0), vectors
 
 
-def _shifted_inverse(
-    factor: Float[Array, "d d"], shift: Array, eig: Eigh | None
-) -> Float[Array, "d d"]:
+def _shifted_inverse(factor: Factor, shift: Array, eig: Eigh | None) -> Factor:
     # (factor + shift·I)⁻¹ for a PSD factor and shift > 0: from the cached
     # eigendecomposition when there is one, else by Cholesky, falling back to a
     # clamped eigendecomposition when rounding makes Cholesky fail (float32).
@@ -45,6 +68,8 @@ def _shifted_inverse(
         values, vectors = jnp.maximum(eig[0], 0), eig[1]
         return (vectors / (values + shift)[None, :]) @ vectors.T
 
+    if factor.ndim == 1:
+        return 1 / (jnp.maximum(factor, 0) + shift)
     if eig is not None:
         return by_eigh(eig)
     eye = jnp.eye(factor.shape[0], dtype=factor.dtype)
@@ -71,8 +96,10 @@ class KroneckerFactored(AbstractBlock):
     **Fields:**
 
     - `a`: the input factor A, symmetric PSD, `(d_in', d_in')`; d_in' = d_in + 1
-        with a bias, whose homogeneous coordinate is last.
-    - `g`: the output factor G, symmetric PSD, `(d_out, d_out)`.
+        with a bias, whose homogeneous coordinate is last. Or a diagonal factor,
+        stored as its diagonal `(d_in',)` (`KFAC(max_factor_dim=...)`).
+    - `g`: the output factor G, symmetric PSD, `(d_out, d_out)`, or its diagonal
+        `(d_out,)`.
     - `weight_perm`: static; the first axes of `transpose(weight, weight_perm)`
         whose sizes multiply to d_out = `g.shape[0]` are the output axes.
     - `structure`: static; the operand, `(weight,)` or `(weight, bias)`, as
@@ -86,8 +113,8 @@ class KroneckerFactored(AbstractBlock):
     `eigenvalues()` is `outer(eig(G), eig(A)).ravel()` (unsorted).
     """
 
-    a: Float[Array, "d_in d_in"]
-    g: Float[Array, "d_out d_out"]
+    a: Float[Array, "d_in d_in"] | Float[Array, " d_in"]
+    g: Float[Array, "d_out d_out"] | Float[Array, " d_out"]
     weight_perm: tuple[int, ...] = eqx.field(static=True)
     structure: Structure = eqx.field(static=True)
     a_eig: tuple[Float[Array, " d_in"], Float[Array, "d_in d_in"]] | None
@@ -95,8 +122,8 @@ class KroneckerFactored(AbstractBlock):
 
     def __init__(
         self,
-        a: Float[ArrayLike, "d_in d_in"],
-        g: Float[ArrayLike, "d_out d_out"],
+        a: Float[ArrayLike, "d_in d_in"] | Float[ArrayLike, " d_in"],
+        g: Float[ArrayLike, "d_out d_out"] | Float[ArrayLike, " d_out"],
         *,
         weight_perm: tuple[int, ...],
         structure: tuple[object, ...],
@@ -105,11 +132,13 @@ class KroneckerFactored(AbstractBlock):
     ):
         """**Arguments:**
 
-        - `a`, `g`: the Kronecker factors A `(d_in', d_in')` and G `(d_out, d_out)`.
+        - `a`, `g`: the Kronecker factors A `(d_in', d_in')` and G `(d_out, d_out)`;
+            a vector stands for a diagonal factor.
         - `weight_perm`: how the weight's axes map to the matrix view (see above).
         - `structure`: the operand leaves `(weight,)` or `(weight, bias)`, as arrays
             or `jax.ShapeDtypeStruct`s.
-        - `a_eig`, `g_eig`: optional precomputed `jnp.linalg.eigh` of `a` and `g`.
+        - `a_eig`, `g_eig`: optional precomputed `jnp.linalg.eigh` of `a` and `g`
+            (for a diagonal factor: its diagonal and the identity).
         """
         self.a = jnp.asarray(a)
         self.g = jnp.asarray(g)
@@ -176,10 +205,10 @@ class KroneckerFactored(AbstractBlock):
         )
 
     def mv(self, vector: Operand) -> Operand:
-        return self._operand(self.g @ self._matrix(vector, "mv") @ self.a)
+        return self._operand(_left(self.g, _right(self._matrix(vector, "mv"), self.a)))
 
     def as_matrix(self) -> Float[Array, "size size"]:
-        kron = jnp.kron(self.g, self.a)
+        kron = jnp.kron(_dense(self.g), _dense(self.a))
         return to_operand_order(kron, self.weight_perm, self.structure, self.g.shape[0])
 
     def solve(self, vector: Operand, damping: ScalarLike) -> Operand:
@@ -207,7 +236,8 @@ class KroneckerFactored(AbstractBlock):
         """
         damping = check_damping(damping, self.a.dtype)
         d_a, d_g = self.a.shape[0], self.g.shape[0]
-        pi = jnp.sqrt((jnp.trace(self.a) / d_a) / (jnp.trace(self.g) / d_g))
+        trace_a, trace_g = jnp.sum(_diagonal(self.a)), jnp.sum(_diagonal(self.g))
+        pi = jnp.sqrt((trace_a / d_a) / (trace_g / d_g))
         pi = jnp.where(jnp.isfinite(pi) & (pi > 0), pi, 1.0).astype(self.a.dtype)
         root = jnp.sqrt(damping)
         return KroneckerFactored(
@@ -236,7 +266,7 @@ class KroneckerFactored(AbstractBlock):
         return self.pi_damped_inverse(damping).mv(vector)
 
     def diagonal(self) -> Operand:
-        diag = jnp.diagonal(self.g)[:, None] * jnp.diagonal(self.a)[None, :]
+        diag = _diagonal(self.g)[:, None] * _diagonal(self.a)[None, :]
         return self._operand(diag)
 
     def logdet(self, damping: ScalarLike) -> Float[Array, ""]:
@@ -244,7 +274,7 @@ class KroneckerFactored(AbstractBlock):
         return jnp.sum(jnp.log(self.eigenvalues() + damping))
 
     def trace(self) -> Float[Array, ""]:
-        return jnp.trace(self.g) * jnp.trace(self.a)
+        return jnp.sum(_diagonal(self.g)) * jnp.sum(_diagonal(self.a))
 
     def eigenvalues(self) -> Float[Array, " size"]:
         (s_a, _), (s_g, _) = self._eighs()
@@ -270,6 +300,12 @@ class KroneckerFactored(AbstractBlock):
             raise ValueError(
                 "`KroneckerFactored.ema(other, ...)`: `other` has weight_perm "
                 f"{other.weight_perm}, this block {self.weight_perm}."
+            )
+        if (other.a.ndim, other.g.ndim) != (self.a.ndim, self.g.ndim):
+            raise ValueError(
+                "`KroneckerFactored.ema(other, ...)`: `other` has factors of "
+                f"dimensions {(other.a.ndim, other.g.ndim)} (1: diagonal), this block "
+                f"{(self.a.ndim, self.g.ndim)}."
             )
         decay = check_scalar(decay, "decay", self.a.dtype, upper=1.0)
         return KroneckerFactored(

@@ -1,0 +1,212 @@
+"""A structure and an estimator defined outside eqfisher, with its public API only,
+against dense float64 references written without eqfisher (`kfac_reference.py`)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from kfac_reference import dense_ggn, kfac_factors, kronecker_dense, layer_slice
+
+import eqfisher as ef
+
+
+F64 = jnp.float64
+N, IN, HIDDEN, OUT = 7, 3, 6, 4
+
+
+class DiagonalOutputKFAC(ef.AbstractStructure):
+    """K-FAC whose output factor G is kept diagonal for layers wider than `max_out`;
+    the exact diagonal elsewhere."""
+
+    max_out: int = eqx.field(static=True)
+
+    def groups(self, candidates, model, caller):
+        return candidates
+
+    def needs(self, group):
+        if group.kronecker:
+            return ef.Needs(kronecker=True)
+        return ef.Needs(examples=True)
+
+    def block(self, group, statistics):
+        if not group.kronecker:
+            return statistics.diagonal()
+        g = statistics.g
+        if g.shape[0] > self.max_out:
+            g = jnp.diag(jnp.diagonal(g))
+        return ef.blocks.KroneckerFactored(
+            statistics.a,
+            g,
+            weight_perm=statistics.weight_perm,
+            structure=statistics.shapes,
+        )
+
+
+class DiagonalHessianGGN(ef.AbstractEstimator):
+    """Σₙ Jₙᵀ diag(Hₙ) Jₙ: the GGN with each loss Hessian replaced by its diagonal."""
+
+    needs_key = False
+
+    def output_vectors(self, loss, key):
+        s = loss.family.sqrt_hessian(loss.inputs)  # (*leading, out, k): S Sᵀ = H
+        scale = jnp.sqrt(jnp.sum(s**2, axis=-1) * loss.weights()[..., None])
+        eye = jnp.eye(scale.shape[-1], dtype=scale.dtype)
+        # Vector i is √(wₙ Hₙᵢᵢ) eᵢ.
+        return jnp.einsum("...i,ik->k...i", scale, eye)
+
+    def example_vectors(self, vectors):
+        return ef.GGN().example_vectors(vectors)
+
+    def batch_vectors(self, vectors, axis):
+        return ef.GGN().batch_vectors(vectors, axis)
+
+
+def _problem():
+    model = eqx.nn.MLP(
+        IN, OUT, HIDDEN, 1, activation=jnp.tanh, dtype=F64, key=jr.key(2)
+    )
+    kx, ky = jr.split(jr.key(3))
+    return model, (jr.normal(kx, (N, IN), F64), jr.randint(ky, (N,), 0, OUT))
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
+
+
+def _diagonal(h):
+    return jnp.diag(jnp.diagonal(h))
+
+
+def test_user_structure_matches_its_definition():
+    model, (x, y) = _problem()
+    curv = ef.curvature(
+        loss_fn, model, (x, y), estimator=ef.GGN(), structure=DiagonalOutputKFAC(5)
+    )
+    # layers[0] has 6 outputs (G diagonal), layers[1] 4 (G dense).
+    expected = np.zeros((model_size(model),) * 2)
+    for k in (0, 1):
+        a, g = kfac_factors(model, x, y, k)
+        if g.shape[0] > 5:
+            g = np.diag(np.diag(g))
+        idx = layer_slice(model, k)
+        expected[np.ix_(idx, idx)] = kronecker_dense(a, g)
+    np.testing.assert_allclose(curv.as_matrix(), expected, rtol=1e-10, atol=1e-12)
+    g0 = curv.blocks["layers[0]"].g
+    assert jnp.count_nonzero(g0 - jnp.diag(jnp.diagonal(g0))) == 0
+
+
+def model_size(model) -> int:
+    return sum(
+        p.size
+        for p in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_inexact_array))
+    )
+
+
+@pytest.mark.parametrize(
+    "structure, examples",
+    [
+        (ef.Dense(), ef.IndependentExamples()),
+        (ef.BlockDiagonal(), ef.InteractingExamples()),
+    ],
+)
+def test_user_estimator_matches_its_definition(structure, examples):
+    model, (x, y) = _problem()
+    curv = ef.curvature(
+        loss_fn,
+        model,
+        (x, y),
+        estimator=DiagonalHessianGGN(),
+        structure=structure,
+        examples=examples,
+    )
+    expected = dense_ggn(model, x, y, _diagonal)
+    if isinstance(structure, ef.BlockDiagonal):
+        mask = np.zeros_like(expected, dtype=bool)
+        for k in (0, 1):
+            idx = layer_slice(model, k)
+            mask[np.ix_(idx, idx)] = True
+        expected = np.where(mask, expected, 0.0)
+    np.testing.assert_allclose(curv.as_matrix(), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_user_estimator_with_user_structure():
+    # K-FAC's G is built from the estimator's vectors: G = Σₙ Jₙᵀ diag(Hₙ) Jₙ.
+    model, (x, y) = _problem()
+    curv = ef.curvature(
+        loss_fn,
+        model,
+        (x, y),
+        estimator=DiagonalHessianGGN(),
+        structure=DiagonalOutputKFAC(10),
+    )
+    for k in (0, 1):
+        a, g = kfac_factors(model, x, y, k, _diagonal)
+        np.testing.assert_allclose(
+            curv.blocks[f"layers[{k}]"].as_matrix(),
+            kronecker_dense(a, g),
+            rtol=1e-10,
+            atol=1e-12,
+        )
+
+
+def test_a_structure_without_its_methods_cannot_be_made():
+    class Incomplete(ef.AbstractStructure):
+        def groups(self, candidates, model, caller):
+            return candidates
+
+    with pytest.raises(TypeError, match="abstract.*block.*needs"):
+        Incomplete()
+
+
+def test_an_estimator_without_its_methods_cannot_be_made():
+    class Incomplete(ef.AbstractEstimator):
+        needs_key = False
+
+        def output_vectors(self, loss, key):
+            return ef.GGN().output_vectors(loss, key)
+
+    with pytest.raises(TypeError, match="abstract.*batch_vectors.*example_vectors"):
+        Incomplete()
+
+
+class KroneckerEverywhere(ef.AbstractStructure):
+    """Asks for Kronecker factors even where a group has none."""
+
+    def groups(self, candidates, model, caller):
+        return candidates
+
+    def needs(self, group):
+        return ef.Needs(kronecker=True)
+
+    def block(self, group, statistics):
+        return statistics.kronecker()
+
+
+class NoBlock(ef.AbstractStructure):
+    def groups(self, candidates, model, caller):
+        return candidates
+
+    def needs(self, group):
+        return ef.Needs(examples=True)
+
+    def block(self, group, statistics):
+        return statistics.rows
+
+
+def test_a_structure_is_checked_where_it_answers():
+    model, batch = _problem()
+    with pytest.raises(TypeError, match=r"`NoBlock.block` must return"):
+        ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=NoBlock())
+    where = ef.filters.by_path("*.bias")
+    with pytest.raises(ValueError, match=r"asks for Kronecker factors.*`layers\[0\]`"):
+        ef.curvature(
+            loss_fn,
+            model,
+            batch,
+            estimator=ef.GGN(),
+            structure=KroneckerEverywhere(),
+            where=where,
+        )
