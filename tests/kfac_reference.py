@@ -101,3 +101,9 @@ def layer_slice(model, k) -> np.ndarray:
     slices = block_slices(model)
     picked = [s for p, s in zip(paths, slices) if p.startswith(f".layers[{k}].")]
     return np.concatenate([np.arange(s.start, s.stop) for s in picked])
+
+
+@eqx.filter_jit
+def as_matrix(operator) -> jax.Array:
+    """`operator.as_matrix()`, compiled (eagerly, each operation compiles alone)."""
+    return operator.as_matrix()
