@@ -101,11 +101,15 @@ def stop_hessian(fn: Callable[..., PyTree]) -> Callable[..., PyTree]:
     A callable with the signature of `fn`. It is an `eqx.Module` holding `fn`, so
     `stop_hessian(model)` has the parameters of `model` as its leaves.
 
+    **Raises:**
+
+    `TypeError` when `fn` is not callable.
+
     !!! Example
 
         ```python
         f = lambda x: jnp.sin(jnp.cos(x))
-        h = lambda x: 0.5 * stop_hessian(f)(x) ** 2
+        h = lambda x: 0.5 * ef.stop_hessian(f)(x) ** 2
         jax.hessian(h)(1.0)  # f'(1)², without the f(1) f''(1) term
         ```
     """

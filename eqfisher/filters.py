@@ -114,10 +114,10 @@ def by_path(pattern: str) -> AbstractFilter:
     `.` of an attribute path is optional.
 
     ```python
-    by_path("layers[0].*")     # .layers[0].weight, .layers[0].bias
-    by_path("*.weight")        # every weight
-    by_path("layers[*].bias")  # the bias of every layer
-    by_path("['encoder']*")    # everything under the dict key 'encoder'
+    ef.filters.by_path("layers[0].*")     # .layers[0].weight, .layers[0].bias
+    ef.filters.by_path("*.weight")        # every weight
+    ef.filters.by_path("layers[*].bias")  # the bias of every layer
+    ef.filters.by_path("['encoder']*")    # everything under the dict key 'encoder'
     ```
 
     **Arguments:**
@@ -127,6 +127,22 @@ def by_path(pattern: str) -> AbstractFilter:
     **Returns:**
 
     An [`eqfisher.filters.AbstractFilter`][].
+
+    **Raises:**
+
+    Nothing here; a filter that selects no parameter raises a `ValueError` where
+    it is used (`eqfisher.filters.mask`, `eqfisher.curvature(..., where=...)`).
+
+    !!! Example
+
+        ```python
+        where = ef.filters.by_path("layers[-1].*")  # the last layer only
+        last = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.Dense(),
+            where=where,
+        )
+        print(last.as_matrix().shape)  # (27, 27): an 8 → 3 layer with its bias
+        ```
     """
     return _ByPath(pattern)
 

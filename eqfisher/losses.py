@@ -263,9 +263,20 @@ def softmax_cross_entropy(
 
     The mean (or mask-weighted mean) cross-entropy over every leading axis.
 
-    ```python
-    loss = ef.softmax_cross_entropy(jax.vmap(model)(x), y)
-    ```
+    **Raises:**
+
+    - `TypeError` when the outputs are not floating-point (labels passed as
+      logits) or the targets have the wrong kind of dtype.
+    - `ValueError` when the outputs have fewer than two axes, or the targets or
+      `mask` do not fit their shape; the message gives the shapes expected.
+
+    !!! Example
+
+        ```python
+        def loss_fn(model, batch):
+            x, y = batch
+            return ef.softmax_cross_entropy(jax.vmap(model)(x), y)  # y: class ids
+        ```
     """
     return register_loss(
         Categorical(), logits, labels, mask, caller="eqfisher.softmax_cross_entropy"
@@ -314,6 +325,26 @@ def squared_error(
 
     The mean over every leading axis of ½ Σ_outputs (predictions − targets)²
     (a unit-variance Gaussian negative log-likelihood up to a constant).
+
+    **Raises:**
+
+    - `TypeError` when the outputs are not floating-point (labels passed as
+      logits) or the targets have the wrong kind of dtype.
+    - `ValueError` when the outputs have fewer than two axes, or the targets or
+      `mask` do not fit their shape; the message gives the shapes expected.
+
+    !!! Example
+
+        ```python
+        regressor = eqx.nn.MLP(4, "scalar", 8, 1, key=key)
+        t = jnp.sin(x[:, 0])
+
+        def mse_fn(model, batch):
+            x, t = batch
+            return ef.squared_error(jax.vmap(model)(x)[:, None], t[:, None])
+
+        ggn = ef.ggn_operator(mse_fn, regressor, (x, t))  # here the GGN is JᵀJ / N
+        ```
     """
     return register_loss(
         Gaussian(), predictions, targets, mask, caller="eqfisher.squared_error"

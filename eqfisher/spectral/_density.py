@@ -156,7 +156,7 @@ def lanczos_quadrature(
     A [`eqfisher.spectral.Quadrature`][]; call its `density()` or `log_density()`.
 
     ```python
-    q = ef.spectral.lanczos_quadrature(hessian, iterations=80, key=key, repeats=4)
+    q = ef.spectral.lanczos_quadrature(hessian, iterations=40, key=key, repeats=4)
     grid, density = q.density()
     ```
     """
@@ -214,8 +214,8 @@ def spectral_density(
     `(grid, density)`, both of shape `(points,)`, ready to plot.
 
     ```python
-    grid, density = ef.spectral.spectral_density(ggn, iterations=60, key=key)
-    plt.semilogy(grid, density)
+    grid, density = ef.spectral.spectral_density(ggn, iterations=40, key=key)
+    # plt.semilogy(grid, density) with matplotlib
     ```
     """
     q = lanczos_quadrature(operator, iterations=iterations, key=key, repeats=repeats)

@@ -242,6 +242,14 @@ def trace(
 
     A scalar.
 
+    **Raises:**
+
+    - `TypeError` when `operator` is not a lineax operator, its operand's leaves
+      do not share one floating dtype, or `estimator` is not an
+      `eqfisher.spectral` estimator.
+    - `ValueError` when `operator` is not square, or `batch_size` is not a
+      positive integer or `None`.
+
     ```python
     ggn = ef.ggn_operator(loss_fn, model, batch)
     t = ef.spectral.trace(ggn, ef.spectral.XTrace(matvecs=40), key=key)
