@@ -58,6 +58,23 @@ def ggn_operator(
     per `mv`; symmetric and positive-semidefinite, so `lineax.CG` works on it (add
     damping first). The operand is a PyTree like `eqx.filter(model,
     eqx.is_inexact_array)`.
+
+    **Raises:**
+
+    `ValueError` when `loss_fn` registers no loss, or its value is not affine in
+    the registered losses (the message names the fix).
+
+    !!! Example
+
+        ```python
+        ggn = ef.ggn_operator(loss_fn, model, batch)
+        damped = lx.TaggedLinearOperator(
+            ggn + lx.IdentityLinearOperator(ggn.in_structure()) * 1e-3,
+            lx.positive_semidefinite_tag,
+        )
+        solution = lx.linear_solve(damped, grads, lx.CG(rtol=1e-6, atol=1e-6))
+        step = solution.value  # (G + 0.001 I)⁻¹ g, like grads
+        ```
     """
 
     def weigh(loss, t):
@@ -70,7 +87,24 @@ def ggn_operator(
 def empirical_fisher_operator(
     loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]], model: PyTree, batch: PyTree
 ) -> lx.FunctionLinearOperator:
-    """The exact empirical Fisher Σₙ wₙ ∇ℓₙ ∇ℓₙᵀ, matrix-free."""
+    """The exact empirical Fisher Σₙ wₙ ∇ℓₙ ∇ℓₙᵀ, matrix-free.
+
+    The outer products of the per-example loss gradients at the batch's targets; a
+    symmetric, positive-semidefinite lineax operator on PyTrees like `eqx.filter(
+    model, eqx.is_inexact_array)`.
+
+    **Raises:**
+
+    `ValueError` when `loss_fn` registers no loss, or its value is not affine in
+    the registered losses (the message names the fix).
+
+    !!! Example
+
+        ```python
+        fisher = ef.empirical_fisher_operator(loss_fn, model, batch)
+        print(optax.tree_utils.tree_vdot(grads, fisher.mv(grads)))  # gᵀ F g ≥ 0
+        ```
+    """
 
     def weigh(loss, t):
         r = loss.family.output_gradient(loss.inputs, loss.targets)
@@ -86,7 +120,17 @@ def hessian_operator(
     loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]], model: PyTree, batch: PyTree
 ) -> lx.FunctionLinearOperator:
     """The exact Hessian of `loss_fn` in the parameters, matrix-free (symmetric, not
-    necessarily positive-semidefinite), by forward-over-reverse differentiation."""
+    necessarily positive-semidefinite), by forward-over-reverse differentiation.
+
+    `loss_fn` needs no registered loss here: it is differentiated as it is.
+
+    !!! Example
+
+        ```python
+        hessian = ef.hessian_operator(loss_fn, model, batch)
+        low, high = ef.spectral.extreme_eigenvalues(hessian, iterations=30, key=key)
+        ```
+    """
     params, static = eqx.partition(model, eqx.is_inexact_array)
 
     def grad(p):

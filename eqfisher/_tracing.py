@@ -52,6 +52,7 @@ class RegisteredLoss(eqx.Module):
         return w * self.coefficient.reshape(self.coefficient.shape + (1,) * rest)
 
     def value(self) -> Float[Array, ""]:
+        """The loss's value: the weighted sum of its per-example losses."""
         return jnp.sum(
             self.weights() * self.family.per_example(self.inputs, self.targets)
         )
@@ -407,6 +408,20 @@ def find_layers(
     A `LayerReport` with `.layers` (name, kind, parameter paths) and `.unmatched`
     (paths of parameters in no layer; they get a diagonal block). `print(report)`
     shows a table.
+
+    **Raises:**
+
+    `ValueError` when `loss_fn` registers no loss, when its value is not affine in
+    the registered losses, or (with `strict=True`) when some parameters are in no
+    layer; each message names the fix.
+
+    !!! Example
+
+        ```python
+        report = ef.find_layers(loss_fn, model, batch)
+        print(report)  # layers[0], layers[1]: dense, with their parameters
+        assert [layer.kind for layer in report.layers] == ["dense", "dense"]
+        ```
     """
     processed = trace(loss_fn, split(model, batch), caller="eqfisher.find_layers")
     report = processed.report()

@@ -136,7 +136,7 @@ def by_path(pattern: str) -> AbstractFilter:
     !!! Example
 
         ```python
-        where = ef.filters.by_path("layers[-1].*")  # the last layer only
+        where = ef.filters.by_path("layers[1].*")  # the last layer only
         last = ef.curvature(
             loss_fn, model, batch, estimator=ef.GGN(), structure=ef.Dense(),
             where=where,

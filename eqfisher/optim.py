@@ -32,6 +32,11 @@ from ._structures import AbstractStructure
 
 
 ScalarOrSchedule = float | Float[Array, ""] | optax.Schedule
+"""A constant (a float or a scalar array) or an optax schedule: a function from the
+step count (an integer array, counting updates from 0) to a scalar, such as
+`optax.exponential_decay(1e-1, 100, 0.5)` or
+`optax.warmup_cosine_decay_schedule(0.0, 0.3, 10, 1000)`. The learning rate is
+evaluated at every update; the damping when the cached inverse is refreshed."""
 
 # Defaults chosen from the grid in benchmarks/kfac_defaults.py (benchmarks/RESULTS.md,
 # "K-FAC defaults"): no learning rate in 1e-3…1 gives a non-finite run on the five
@@ -124,6 +129,21 @@ def curvature_like(fn: Callable, *args: Any, **kwargs: Any) -> Curvature:
 
     A `Curvature` whose array leaves are `jax.ShapeDtypeStruct`s: the `like=` of
     `kfac`, `kfac_preconditioner`, `kfac_adaptive`.
+
+    **Raises:**
+
+    `TypeError` when `fn` returns neither a `Curvature` nor a tuple ending in one;
+    the errors of `fn` itself (shapes are traced, nothing is computed).
+
+    !!! Example
+
+        ```python
+        vgc = ef.value_grad_and_curvature(
+            loss_fn, estimator=ef.FisherMC(), structure=ef.KFAC()
+        )
+        like = ef.optim.curvature_like(vgc, model, batch, key=key)
+        print(like.blocks["layers[0]"].a)  # ShapeDtypeStruct(shape=(5, 5), ...)
+        ```
     """
     out = eqx.filter_eval_shape(fn, *args, **kwargs)
     curv = out[-1] if isinstance(out, tuple) else out
@@ -329,6 +349,27 @@ def kfac(
     An `optax.GradientTransformationExtraArgs` (it composes with `optax.chain`,
     `optax.clip_by_global_norm`, `optax.masked`); call
     `opt.update(grads, state, params, curvature=curv)`, or use `kfac_step`.
+
+    **Raises:**
+
+    `ValueError` (or `TypeError`) when `like` is not a `Curvature`, when
+    `damping`, `decay` or `norm_constraint` is out of range, or when
+    `inverse_every` is not a positive integer; at `update`, a `ValueError` when
+    `curvature=` has other blocks or shapes than `like`.
+
+    !!! Example
+
+        ```python
+        vgc = ef.value_grad_and_curvature(
+            loss_fn, estimator=ef.FisherMC(), structure=ef.KFAC()
+        )
+        like = ef.optim.curvature_like(vgc, model, batch, key=key)
+        opt = ef.optim.kfac(0.1, like=like)
+        state = opt.init(params)
+        loss, grads, curv = vgc(model, batch, key=key)
+        updates, state = opt.update(grads, state, params, curvature=curv)
+        model = eqx.apply_updates(model, updates)
+        ```
     """
     parts = [
         kfac_preconditioner(
@@ -418,6 +459,26 @@ def kfac_step(
 
     `step(model, opt_state, batch, key=None) -> (model, opt_state, loss)`, jitted;
     `key` is needed by Monte-Carlo estimators.
+
+    **Raises:**
+
+    `ValueError` when `curvature_update_period` or `curvature_batch_size` is not a
+    positive integer; at the first step, when `optimiser`'s state holds no K-FAC
+    state, and the errors of `eqfisher.value_grad_and_curvature`.
+
+    !!! Example
+
+        ```python
+        estimator, structure = ef.FisherMC(), ef.KFAC()
+        vgc = ef.value_grad_and_curvature(
+            loss_fn, estimator=estimator, structure=structure
+        )
+        opt = ef.optim.kfac(0.1, like=ef.optim.curvature_like(vgc, model, batch, key=key))
+        step = ef.optim.kfac_step(loss_fn, opt, estimator=estimator, structure=structure)
+        state = opt.init(params)
+        for i in range(3):
+            model, state, loss = step(model, state, batch, jax.random.key(i))
+        ```
     """
     caller = "kfac_step"
     _check_positive_int(caller, "curvature_update_period", curvature_update_period)
