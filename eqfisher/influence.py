@@ -203,6 +203,23 @@ def influence_scores(
     **Returns:**
 
     Scores of shape `(num_queries, num_train)`.
+
+    **Raises:**
+
+    `ValueError` when `query_rank` is not a positive integer or `None`; the errors
+    of `loss_fn` on a batch of one (every leaf of `train` and `query` needs a
+    leading example axis).
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+        query = (x[:2], y[:2])
+        scores = ef.influence.influence_scores(
+            loss_fn, model, batch, query, ef.influence.CurvatureInverse(curv, 1e-3)
+        )
+        print(scores.shape)  # (2, 32): every query against every training example
+        ```
     """
     grad = _gradient_fn(loss_fn, model, where)
     if query_rank is not None and query_rank < 1:

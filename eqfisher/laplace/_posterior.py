@@ -355,6 +355,21 @@ def fit(
     **Returns:**
 
     A `Laplace`.
+
+    **Raises:**
+
+    `ValueError` when `loss_fn` registers other than exactly one loss, and the
+    errors of `eqfisher.curvature`.
+
+    !!! Example
+
+        ```python
+        la = ef.laplace.fit(
+            loss_fn, model, batch, likelihood="classification", structure=ef.KFAC()
+        )
+        la, _ = ef.laplace.optimize_hyperparameters(la, steps=20)  # prior precision
+        print(la.log_marginal_likelihood())
+        ```
     """
     curv = curvature(
         loss_fn,
