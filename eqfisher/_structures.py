@@ -419,10 +419,12 @@ class PerLayer(AbstractStructure):
 
     ```python
     structure = ef.PerLayer(
-        (ef.filters.by_path("embedding.*"), ef.Diagonal()),
-        (ef.filters.by_path("head.*"), ef.BlockDiagonal()),
+        (ef.filters.by_path("layers[1].*"), ef.Diagonal()),  # the output layer
         default=ef.KFAC(),
     )
+    curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=structure)
+    assert isinstance(curv.blocks["layers[0]"], ef.blocks.KroneckerFactored)
+    assert isinstance(curv.blocks["layers[1]"], ef.blocks.Diagonal)
     ```
 
     Each layer (and each leaf in no layer) takes the structure of the first part
