@@ -319,7 +319,7 @@ class _Builder(eqx.Module):
                 reduce = _reduce_examples(
                     self.structure, n, g, losses[0].inputs.shape[0], self.caller
                 )
-                a, gg = _factors(g, uses, dtype, reduce)
+                a, gg = _factors(g, uses, dtype, reduce, n.max_factor_dim)
             statistics = Statistics(
                 g.shapes,
                 a,
@@ -417,12 +417,20 @@ def _reduce_examples(structure, n: Needs, g: Group, size: int, caller: str):
     return size
 
 
-def _factors(g: Group, uses, dtype, reduce) -> tuple[Array, Array]:
+def _factors(g: Group, uses, dtype, reduce, max_dim) -> tuple[Array, Array]:
     """K-FAC's A and G; tied weights pool their applications' rows as extra
     locations."""
     with_bias = len(g.leaves) == 2
     factors = [
-        stats.kronecker_factors(r, x, g_stack, with_bias, dtype, reduce_examples=reduce)
+        stats.kronecker_factors(
+            r,
+            x,
+            g_stack,
+            with_bias,
+            dtype,
+            reduce_examples=reduce,
+            max_factor_dim=max_dim,
+        )
         for r, (x, g_stack) in zip(g.records, uses)
     ]
     total = sum(n for _, _, n in factors)

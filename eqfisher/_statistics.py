@@ -36,10 +36,16 @@ class AbstractLayerInputs(eqx.Module):
 
     @abc.abstractmethod
     def moments(
-        self, record: LayerRecord, x: Array, reduce_examples: int | None, dtype
-    ) -> tuple[Float[Array, "d d"], Float[Array, " d"], int]:
+        self,
+        record: LayerRecord,
+        x: Array,
+        reduce_examples: int | None,
+        dtype,
+        diagonal: bool,
+    ) -> tuple[Float[Array, "d d"] | Float[Array, " d"], Float[Array, " d"], int]:
         """`(Σ a aᵀ, Σ a, rows)` over the layer's input rows `a` (each example's
-        mean row with `reduce_examples`)."""
+        mean row with `reduce_examples`); with `diagonal`, only the diagonal of
+        Σ a aᵀ, as a vector."""
 
 
 def _mean_rows(a: Array, reduce_examples: int | None) -> Array:
@@ -48,17 +54,18 @@ def _mean_rows(a: Array, reduce_examples: int | None) -> Array:
     return a.reshape(reduce_examples, -1, a.shape[-1]).mean(1)
 
 
-def _moments_of(a: Array) -> tuple[Array, Array, int]:
-    return a.T @ a, jnp.sum(a, axis=0), a.shape[0]
+def _moments_of(a: Array, diagonal: bool) -> tuple[Array, Array, int]:
+    second = jnp.sum(a**2, axis=0) if diagonal else a.T @ a
+    return second, jnp.sum(a, axis=0), a.shape[0]
 
 
 class _DenseInputs(AbstractLayerInputs):
     def unsupported(self, record):
         return None
 
-    def moments(self, record, x, reduce_examples, dtype):
+    def moments(self, record, x, reduce_examples, dtype, diagonal):
         a = jnp.transpose(x, record.in_order).reshape(-1, record.d_in)
-        return _moments_of(_mean_rows(a.astype(dtype), reduce_examples))
+        return _moments_of(_mean_rows(a.astype(dtype), reduce_examples), diagonal)
 
 
 def _patches(record: LayerRecord, x: Array) -> Array:
@@ -88,11 +95,11 @@ class _ConvInputs(AbstractLayerInputs):
             )
         return None
 
-    def moments(self, record, x, reduce_examples, dtype):
+    def moments(self, record, x, reduce_examples, dtype, diagonal):
         if _patches_too_large(record):
-            return _chunked_patches(record, x, reduce_examples)
+            return _chunked_patches(record, x, reduce_examples, diagonal)
         a = _patches(record, x).astype(dtype)
-        return _moments_of(_mean_rows(a, reduce_examples))
+        return _moments_of(_mean_rows(a, reduce_examples), diagonal)
 
 
 class _EmbeddingInputs(AbstractLayerInputs):
@@ -101,17 +108,17 @@ class _EmbeddingInputs(AbstractLayerInputs):
     def unsupported(self, record):
         return None
 
-    def moments(self, record, x, reduce_examples, dtype):
+    def moments(self, record, x, reduce_examples, dtype, diagonal):
         ids = x[..., record.in_order[0]].reshape(-1)
         counts = jnp.zeros((record.d_in,), dtype).at[ids].add(1)
-        return jnp.diag(counts), counts, ids.shape[0]
+        return counts if diagonal else jnp.diag(counts), counts, ids.shape[0]
 
 
 class _ScaleAndShiftInputs(AbstractLayerInputs):
     def unsupported(self, record):
         return "is a scale-and-shift layer, whose curvature eqfisher keeps exact"
 
-    def moments(self, record, x, reduce_examples, dtype):
+    def moments(self, record, x, reduce_examples, dtype, diagonal):
         raise NotImplementedError("a scale-and-shift layer has no Kronecker factors")
 
 
@@ -154,29 +161,40 @@ def kronecker_factors(
     dtype,
     *,
     reduce_examples: int | None = None,
-) -> tuple[Float[Array, "i i"], Float[Array, "o o"], int]:
+    max_factor_dim: int | None = None,
+) -> tuple[
+    Float[Array, "i i"] | Float[Array, " i"],
+    Float[Array, "o o"] | Float[Array, " o"],
+    int,
+]:
     """A = mean over locations of ã ãᵀ; G = Σ over stacked vectors and locations of
     g gᵀ (the output vectors already carry the loss weights); and the number of
     rows A averages over.
 
     With `reduce_examples=N` ("reduce" weight sharing), inputs are first averaged
     and output cotangents summed over each example's locations; the example axis is
-    the first location axis.
+    the first location axis. A factor larger than `max_factor_dim` is computed as
+    its diagonal only, a vector.
     """
+    too_large = lambda d: max_factor_dim is not None and d > max_factor_dim
     gm = output_matrix(record, g_stack)  # (k, locations, d_out)
     if reduce_examples is not None:
         gm = gm.reshape(gm.shape[0], reduce_examples, -1, gm.shape[-1]).sum(2)
     gm = gm.reshape(-1, gm.shape[-1])
-    g = (gm.T @ gm).astype(dtype)
+    g = jnp.sum(gm**2, axis=0) if too_large(gm.shape[-1]) else gm.T @ gm
     inexact = jnp.issubdtype(x.dtype, jnp.inexact)
+    diagonal = too_large(record.d_in + with_bias)
     aa, s, n = layer_inputs(record.kind).moments(
-        record, x, reduce_examples, stat_dtype(x.dtype) if inexact else dtype
+        record, x, reduce_examples, stat_dtype(x.dtype) if inexact else dtype, diagonal
     )
     aa, s = (aa / n).astype(dtype), (s / n).astype(dtype)
-    if with_bias:
+    one = jnp.ones((1,), dtype)
+    if with_bias and diagonal:
+        aa = jnp.concatenate([aa, one])
+    elif with_bias:
         # [a; 1] blocks, without copying `a` into a wider matrix.
-        aa = jnp.block([[aa, s[:, None]], [s[None, :], jnp.ones((1, 1), dtype)]])
-    return aa, g, n
+        aa = jnp.block([[aa, s[:, None]], [s[None, :], one[None]]])
+    return aa, g.astype(dtype), n
 
 
 def _patch_elements(record: LayerRecord) -> int:
@@ -194,12 +212,15 @@ def _patches_too_large(record: LayerRecord) -> bool:
 
 
 def _chunked_patches(
-    record: LayerRecord, x: Array, reduce_examples: int | None
+    record: LayerRecord,
+    x: Array,
+    reduce_examples: int | None,
+    diagonal: bool = False,
 ) -> tuple[Array, Array, int]:
     """`(Σ a aᵀ, Σ a, rows)` over a conv layer's patch rows `a`, forming the patch
     matrix for a chunk of examples at a time (a `lax.scan`), so that memory stays
     near `MAX_PATCH_ELEMENTS` however large the batch. With `reduce_examples`, the
-    rows are each example's mean patch.
+    rows are each example's mean patch; with `diagonal`, Σ a aᵀ is its diagonal.
 
     Examples are the conv's batch axis; the last chunk is padded with zero
     examples, whose patches are zero.
@@ -219,9 +240,10 @@ def _chunked_patches(
         if reduce_examples is not None:
             a = a.reshape(chunk, -1, d).mean(1)
         aa, s = carry
-        return (aa + a.T @ a, s + jnp.sum(a, axis=0)), None
+        second = jnp.sum(a**2, axis=0) if diagonal else a.T @ a
+        return (aa + second, s + jnp.sum(a, axis=0)), None
 
-    init = (jnp.zeros((d, d), dtype), jnp.zeros((d,), dtype))
+    init = (jnp.zeros((d,) if diagonal else (d, d), dtype), jnp.zeros((d,), dtype))
     (aa, s), _ = jax.lax.scan(body, init, xs)
     rows = n if reduce_examples is not None else n * _patch_elements(record) // d
     return aa, s, rows

@@ -116,11 +116,14 @@ class Needs(eqx.Module):
     - `examples`: exact per-example vectors, whose outer products sum to the block.
     - `weight_sharing`: the K-FAC variant of the factors, `"expand"` or `"reduce"`
       (see `KFAC`).
+    - `max_factor_dim`: `None`, or a size above which a factor is computed as its
+      diagonal only (a vector in `Statistics`).
     """
 
     kronecker: bool = eqx.field(static=True, default=False)
     examples: bool = eqx.field(static=True, default=False)
     weight_sharing: WeightSharing = eqx.field(static=True, default="expand")
+    max_factor_dim: int | None = eqx.field(static=True, default=None)
 
 
 class Statistics(eqx.Module):
@@ -132,7 +135,8 @@ class Statistics(eqx.Module):
     - `shapes`: static; the block's operand (its parameters, as
       `jax.ShapeDtypeStruct`s).
     - `a`, `g`: K-FAC's input factor A `(d_in', d_in')` (d_in' = d_in + 1 with a
-      bias, its coordinate last) and output factor G `(d_out, d_out)`.
+      bias, its coordinate last) and output factor G `(d_out, d_out)`; a factor
+      above `Needs.max_factor_dim` is its diagonal, a vector.
     - `weight_perm`: static; how the weight maps to its `(d_out, d_in)` matrix view
       (see `eqfisher.blocks.KroneckerFactored`).
     - `rows`: per operand leaf, the per-example vectors `(m, *leaf.shape)`: the
@@ -140,8 +144,8 @@ class Statistics(eqx.Module):
     """
 
     shapes: tuple[jax.ShapeDtypeStruct, ...] = eqx.field(static=True)
-    a: Float[Array, "d_in d_in"] | None = None
-    g: Float[Array, "d_out d_out"] | None = None
+    a: Float[Array, "d_in d_in"] | Float[Array, " d_in"] | None = None
+    g: Float[Array, "d_out d_out"] | Float[Array, " d_out"] | None = None
     weight_perm: tuple[int, ...] | None = eqx.field(static=True, default=None)
     rows: tuple[Float[Array, "m ..."], ...] | None = None
 
@@ -174,14 +178,9 @@ class Statistics(eqx.Module):
             tuple(jnp.sum(r**2, axis=0) for r in self._rows("diagonal"))
         )
 
-    def kronecker(self, max_factor_dim: int | None = None) -> KroneckerFactored:
-        """The K-FAC block G ⊗ A; a factor larger than `max_factor_dim` (if given)
-        is replaced by its diagonal, stored as a vector."""
+    def kronecker(self) -> KroneckerFactored:
+        """The K-FAC block G ⊗ A (a vector factor is diagonal)."""
         a, g = self._factors("kronecker")
-        if max_factor_dim is not None:
-            a, g = (
-                jnp.diagonal(f) if f.shape[0] > max_factor_dim else f for f in (a, g)
-            )
         return KroneckerFactored(
             a, g, weight_perm=self.weight_perm, structure=self.shapes
         )
@@ -299,7 +298,8 @@ class AbstractKroneckerStructure(AbstractStructure):
     the exact diagonal for every other parameter (scale-and-shift layers, leaves in
     no layer, a layer whose weight is not selected).
 
-    Subclasses set `weight_sharing` and implement `kronecker_block`.
+    Subclasses set `weight_sharing` and implement `kronecker_needs` and
+    `kronecker_block`.
     """
 
     weight_sharing: eqx.AbstractVar[WeightSharing]
@@ -324,21 +324,15 @@ class AbstractKroneckerStructure(AbstractStructure):
         return candidates
 
     @abc.abstractmethod
-    def kronecker_examples(self) -> bool:
-        """Whether `kronecker_block` needs per-example vectors besides the factors."""
+    def kronecker_needs(self) -> Needs:
+        """The statistics of a layer with Kronecker factors."""
 
     @abc.abstractmethod
     def kronecker_block(self, group: Group, statistics: Statistics) -> AbstractBlock:
         """The block of a layer with Kronecker factors."""
 
     def needs(self, group):
-        if group.kronecker:
-            return Needs(
-                kronecker=True,
-                examples=self.kronecker_examples(),
-                weight_sharing=self.weight_sharing,
-            )
-        return Needs(examples=True)
+        return self.kronecker_needs() if group.kronecker else Needs(examples=True)
 
     def block(self, group, statistics):
         if group.kronecker:
@@ -378,11 +372,15 @@ class KFAC(AbstractKroneckerStructure):
                 f"int, got {m!r}."
             )
 
-    def kronecker_examples(self):
-        return False
+    def kronecker_needs(self):
+        return Needs(
+            kronecker=True,
+            weight_sharing=self.weight_sharing,
+            max_factor_dim=self.max_factor_dim,
+        )
 
     def kronecker_block(self, group, statistics):
-        return statistics.kronecker(self.max_factor_dim)
+        return statistics.kronecker()
 
 
 class EKFAC(AbstractKroneckerStructure):
@@ -395,8 +393,8 @@ class EKFAC(AbstractKroneckerStructure):
 
     weight_sharing: WeightSharing = eqx.field(static=True, default="expand")
 
-    def kronecker_examples(self):
-        return True
+    def kronecker_needs(self):
+        return Needs(kronecker=True, examples=True, weight_sharing=self.weight_sharing)
 
     def kronecker_block(self, group, statistics):
         return statistics.eigen_kronecker()

@@ -125,3 +125,35 @@ def test_kfac_step_with_diagonal_factors():
 def test_bad_max_factor_dim(bad, unchecked):
     with pytest.raises(ValueError, match="max_factor_dim"):
         ef.KFAC(max_factor_dim=bad)
+
+
+class _Tokens(eqx.Module):
+    emb: eqx.nn.Embedding
+    conv: eqx.nn.Conv1d
+    head: eqx.nn.Linear
+
+    def __call__(self, ids):
+        h = jnp.tanh(self.conv(jax.vmap(self.emb)(ids).T))  # (4, 4)
+        return self.head(h.reshape(-1))
+
+
+def test_embedding_and_conv_factors_above_the_size_are_diagonals():
+    # emb: A 12 → diagonal; conv: A 3·2 + 1 = 7 → diagonal; head: A 17 → diagonal;
+    # every G (3, 4, 5) stays dense. The full factors are K-FAC's, tested against
+    # references in test_curvature.py and test_reference.py.
+    k = jr.split(jr.key(6), 4)
+    model = _Tokens(
+        eqx.nn.Embedding(12, 3, dtype=F64, key=k[0]),
+        eqx.nn.Conv1d(3, 4, 2, dtype=F64, key=k[1]),
+        eqx.nn.Linear(16, 5, dtype=F64, key=k[2]),
+    )
+    batch = (jr.randint(k[3], (N, 5), 0, 12), jnp.arange(N) % 5)
+    full, diagonal = (
+        ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=s)
+        for s in (ef.KFAC(), ef.KFAC(max_factor_dim=6))
+    )
+    for name in ("emb", "conv", "head"):
+        f, d = full.blocks[name], diagonal.blocks[name]
+        assert d.a.ndim == 1 and d.g.ndim == 2
+        np.testing.assert_allclose(d.a, jnp.diagonal(f.a), rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(d.g, f.g, rtol=1e-12, atol=1e-14)
