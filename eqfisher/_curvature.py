@@ -459,7 +459,9 @@ def curvature(
     - `model`, `batch`: PyTrees; the model's inexact arrays are the parameters.
     - `estimator`: `GGN()`, `FisherExact()`, `FisherMC(samples=...)` or
       `EmpiricalFisher()`.
-    - `structure`: `Dense()`, `BlockDiagonal()`, `Diagonal()`, `KFAC()` or `EKFAC()`.
+    - `structure`: `Dense()`, `BlockDiagonal()`, `Diagonal()`, `KFAC()`, `EKFAC()`,
+      `PerLayer(...)` (structures per layer, chosen with filters), or a subclass of
+      `AbstractStructure`.
     - `key`: a PRNG key, needed by `FisherMC`.
     - `where`: a filter (`eqfisher.filters`) restricting the parameters covered.
     - `examples`: `IndependentExamples(axis=0)` (default) or
