@@ -124,6 +124,10 @@ def hessian_operator(
 
     `loss_fn` needs no registered loss here: it is differentiated as it is.
 
+    **Raises:**
+
+    Nothing of its own: the errors of `loss_fn` and `jax.grad` on it.
+
     !!! Example
 
         ```python

@@ -345,7 +345,8 @@ class KFAC(AbstractKroneckerStructure):
 
     A = mean over locations of ã ãᵀ (ã = [a; 1] with a bias), G = Σ over locations of
     g gᵀ, g the output cotangents of the loss-weighted output vectors; for one
-    example A ⊗ G is the exact block.
+    example G ⊗ A is the exact block (on the row-major vec of the `(out, in)`
+    weight matrix).
 
     **Arguments:**
 
