@@ -27,6 +27,11 @@ from ._examples import (
     InteractingExamples as InteractingExamples,
 )
 from ._layers import LayerInfo as LayerInfo
+from ._memory import (
+    BlockMemory as BlockMemory,
+    MemoryEstimate as MemoryEstimate,
+    memory_estimate as memory_estimate,
+)
 from ._products import (
     empirical_fisher_operator as empirical_fisher_operator,
     ggn_operator as ggn_operator,

@@ -1,0 +1,206 @@
+"""`memory_estimate`: the bytes of the curvature blocks and of an optimiser's state,
+from shapes alone (`jax.eval_shape`), before anything is computed."""
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+
+from ._curvature import Curvature, curvature
+from ._estimators import AbstractEstimator
+from ._examples import AbstractExamples
+from ._structures import AbstractStructure
+
+
+def _is_shaped(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def _eval_shape(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """`eqx.filter_eval_shape` that also takes `jax.ShapeDtypeStruct` leaves as
+    inputs, so a model or batch built only from shapes can be passed."""
+    dynamic, static = eqx.partition((args, kwargs), _is_shaped)
+    out_static = []
+
+    def run(dynamic):
+        a, k = eqx.combine(dynamic, static)
+        out_dynamic, s = eqx.partition(fn(*a, **k), eqx.is_array)
+        out_static.append(s)
+        return out_dynamic
+
+    out_dynamic = jax.eval_shape(run, dynamic)
+    return eqx.combine(out_dynamic, out_static[0])
+
+
+def _arrays(tree: PyTree) -> list[Any]:
+    return [x for x in jax.tree_util.tree_leaves(tree) if _is_shaped(x)]
+
+
+def _nbytes(tree: PyTree) -> int:
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in _arrays(tree))
+
+
+def _size(n: int) -> str:
+    """`n` bytes, human-readable (binary prefixes)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError  # unreachable
+
+
+class BlockMemory(NamedTuple):
+    """The arrays of one curvature block.
+
+    - `name`: the block's name (the layer's model path), as in `Curvature.blocks`.
+    - `kind`: the block's type, e.g. `"KroneckerFactored"`.
+    - `shapes`: the shape of each of its arrays (for K-FAC, the two factors).
+    - `nbytes`: their bytes together.
+    """
+
+    name: str
+    kind: str
+    shapes: tuple[tuple[int, ...], ...]
+    nbytes: int
+
+
+class MemoryEstimate(eqx.Module):
+    """What `memory_estimate` reports: bytes, from shapes.
+
+    **Fields:**
+
+    - `parameters`: the bytes of the selected parameters (the same again for their
+      gradient, and for every optimiser buffer shaped like them).
+    - `blocks`: a `BlockMemory` per curvature block, largest first.
+    - `optimiser_state`: the bytes of `optimiser.init(params)`, or `None` when no
+      optimiser was given.
+
+    **Properties:** `curvature` (the blocks' bytes together) and `total`
+    (parameters, gradient, curvature and optimiser state).
+
+    `str(estimate)` is a short table.
+    """
+
+    parameters: int
+    blocks: tuple[BlockMemory, ...]
+    optimiser_state: int | None
+
+    @property
+    def curvature(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
+
+    @property
+    def total(self) -> int:
+        return 2 * self.parameters + self.curvature + (self.optimiser_state or 0)
+
+    def __str__(self) -> str:
+        shown = 8
+        lines = [
+            f"parameters        {_size(self.parameters):>10}  (gradient the same)",
+            f"curvature         {_size(self.curvature):>10}  "
+            f"({len(self.blocks)} blocks)",
+        ]
+        for b in self.blocks[:shown]:
+            shapes = ", ".join("×".join(map(str, s)) or "()" for s in b.shapes)
+            lines.append(f"  {_size(b.nbytes):>10}  {b.name}: {b.kind} [{shapes}]")
+        if len(self.blocks) > shown:
+            rest = sum(b.nbytes for b in self.blocks[shown:])
+            lines.append(
+                f"  {_size(rest):>10}  ... {len(self.blocks) - shown} more blocks"
+            )
+        if self.optimiser_state is not None:
+            lines.append(f"optimiser state   {_size(self.optimiser_state):>10}")
+        lines.append(f"total             {_size(self.total):>10}")
+        return "\n".join(lines)
+
+
+def memory_estimate(
+    loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]],
+    model: PyTree,
+    batch: PyTree,
+    *,
+    estimator: AbstractEstimator,
+    structure: AbstractStructure,
+    key: PRNGKeyArray | jax.ShapeDtypeStruct | None = None,
+    where=None,
+    examples: AbstractExamples | None = None,
+    optimiser: optax.GradientTransformation | None = None,
+) -> MemoryEstimate:
+    """The memory the curvature and an optimiser's state will take, from shapes.
+
+    Traces `eqfisher.curvature(...)` and `optimiser.init(params)` with
+    `jax.eval_shape`: nothing is computed or allocated, so it answers for a model
+    too large to build statistics for (and `model`, `batch` may hold
+    `jax.ShapeDtypeStruct`s in place of arrays, e.g. from `eqx.filter_eval_shape`).
+    The numbers are the arrays that persist — the blocks and the state; the
+    temporaries of computing them (activations, per-example Jacobians) are not
+    counted (`jax.jit(...).lower(...).compile().memory_analysis()` gives those,
+    at the cost of a compilation).
+
+    **Arguments:**
+
+    - `loss_fn`, `model`, `batch`, `estimator`, `structure`, `key`, `where`,
+      `examples`: as for `eqfisher.curvature` (`key` may be a
+      `jax.ShapeDtypeStruct`; `examples=None` is its default).
+    - `optimiser`: an optax transformation (e.g. `eqfisher.optim.kfac(lr,
+      like=...)`) whose `init` state to measure, or `None`.
+
+    **Returns:**
+
+    A `MemoryEstimate`; `print` it for a table, or read `.curvature`,
+    `.optimiser_state`, `.total` (bytes).
+
+    !!! Example
+
+        ```python
+        estimate = ef.memory_estimate(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        print(estimate)  # blocks largest first, e.g. an output head's G factor
+        assert estimate.curvature < 2**30
+        ```
+    """
+    curv = _eval_shape(
+        curvature,
+        loss_fn,
+        model,
+        batch,
+        estimator=estimator,
+        structure=structure,
+        key=key,
+        where=where,
+        **({} if examples is None else {"examples": examples}),
+    )
+    if not isinstance(curv, Curvature):  # pragma: no cover - curvature's contract
+        raise TypeError(f"expected a `Curvature`, got {type(curv).__name__}")
+    blocks = [
+        BlockMemory(
+            name,
+            type(block).__name__,
+            tuple(tuple(x.shape) for x in _arrays(block)),
+            _nbytes(block),
+        )
+        for name, block in curv.blocks.items()
+    ]
+    blocks.sort(key=lambda b: -b.nbytes)
+    params = eqx.filter(model, lambda x: _is_shaped(x) and _inexact(x))
+    state = None
+    if optimiser is not None:
+        if not isinstance(optimiser, optax.GradientTransformation):
+            raise TypeError(
+                "`eqfisher.memory_estimate(..., optimiser=...)` needs an optax "
+                "transformation (e.g. `eqfisher.optim.kfac(lr, like=...)`), got "
+                f"{type(optimiser).__name__}."
+            )
+        state = _nbytes(_eval_shape(optimiser.init, params))
+    return MemoryEstimate(_nbytes(params), tuple(blocks), state)
+
+
+def _inexact(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)

@@ -1,0 +1,129 @@
+"""`memory_estimate`: the bytes reported from shapes equal the `.nbytes` of the
+curvature and optimiser state that are then computed."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from zoo import BY_NAME
+
+import eqfisher as ef
+
+
+def _nbytes(tree) -> int:
+    return sum(
+        x.nbytes for x in jax.tree_util.tree_leaves(eqx.filter(tree, eqx.is_array))
+    )
+
+
+CASES = [
+    ("mlp", ef.KFAC()),
+    ("mlp", ef.EKFAC()),
+    ("mlp", ef.Diagonal()),
+    ("mlp", ef.BlockDiagonal()),
+    ("mlp", ef.Dense()),
+    ("cnn", ef.KFAC()),
+    ("cnn", ef.Diagonal()),
+]
+
+
+@pytest.mark.parametrize(
+    "entry, structure", CASES, ids=[f"{e}-{type(s).__name__}" for e, s in CASES]
+)
+def test_curvature_bytes_equal_the_computed_blocks(entry, structure):
+    e = BY_NAME[entry]
+    model, batch = e.build()
+    estimate = ef.memory_estimate(
+        e.loss_fn, model, batch, estimator=ef.GGN(), structure=structure
+    )
+    curv = ef.curvature(
+        e.loss_fn, model, batch, estimator=ef.GGN(), structure=structure
+    )
+    assert {b.name: b.nbytes for b in estimate.blocks} == {
+        name: _nbytes(block) for name, block in curv.blocks.items()
+    }
+    assert estimate.curvature == _nbytes(curv) > 0
+    assert estimate.parameters == _nbytes(eqx.filter(model, eqx.is_inexact_array))
+    assert estimate.optimiser_state is None
+    assert [b.nbytes for b in estimate.blocks] == sorted(
+        (b.nbytes for b in estimate.blocks), reverse=True
+    )
+    kinds = {name: type(block).__name__ for name, block in curv.blocks.items()}
+    assert {b.name: b.kind for b in estimate.blocks} == kinds
+
+
+@pytest.mark.parametrize("structure", [ef.KFAC(), ef.Diagonal()], ids=str)
+def test_optimiser_state_bytes_equal_init(structure):
+    e = BY_NAME["mlp"]
+    model, batch = e.build()
+    key = jax.random.key(0)
+    estimator = ef.FisherMC()
+    vgc = ef.value_grad_and_curvature(
+        e.loss_fn, estimator=estimator, structure=structure
+    )
+    like = ef.optim.curvature_like(vgc, model, batch, key=key)
+    opt = ef.optim.kfac(0.1, like=like, momentum=0.9, weight_decay=1e-4)
+    estimate = ef.memory_estimate(
+        e.loss_fn,
+        model,
+        batch,
+        estimator=estimator,
+        structure=structure,
+        key=key,
+        optimiser=opt,
+    )
+    params = eqx.filter(model, eqx.is_inexact_array)
+    state = opt.init(params)
+    assert estimate.optimiser_state == _nbytes(state)
+    # The state holds the averaged curvature, its cached inverse and the momentum.
+    assert estimate.optimiser_state > estimate.curvature + estimate.parameters
+    assert estimate.total == (
+        2 * estimate.parameters + estimate.curvature + estimate.optimiser_state
+    )
+
+
+def test_shapes_only_and_readable():
+    """A model and batch given as `jax.ShapeDtypeStruct`s (never allocated): an
+    output head 768 → 50,257 whose K-FAC output factor alone is 50,257² floats."""
+    head = eqx.filter_eval_shape(
+        eqx.nn.Linear, 768, 50_257, key=jax.random.key(0), dtype=jnp.float32
+    )
+    x = jax.ShapeDtypeStruct((4, 768), jnp.float32)
+    y = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
+
+    estimate = ef.memory_estimate(
+        loss_fn,
+        head,
+        (x, y),
+        estimator=ef.FisherMC(),
+        structure=ef.KFAC(),
+        key=jax.ShapeDtypeStruct((), jax.random.key(0).dtype),
+    )
+    (block,) = estimate.blocks
+    assert block.nbytes == sum(4 * math.prod(s) for s in block.shapes)
+    assert max(max(s) for s in block.shapes) == 50_257
+    assert estimate.parameters == 4 * (768 * 50_257 + 50_257)
+    text = str(estimate)
+    for word in ("parameters", "curvature", "total", block.name, block.kind):
+        assert word in text
+    assert "GiB" in text or "MiB" in text
+
+
+def test_optimiser_must_be_a_transformation(unchecked):
+    e = BY_NAME["mlp"]
+    model, batch = e.build()
+    with pytest.raises(TypeError, match="optimiser="):
+        ef.memory_estimate(
+            e.loss_fn,
+            model,
+            batch,
+            estimator=ef.GGN(),
+            structure=ef.KFAC(),
+            optimiser=lambda p: p,
+        )
