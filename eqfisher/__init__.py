@@ -1,5 +1,7 @@
 """eqfisher: curvature for Equinox models, as typed lineax operators."""
 
+import os as _os
+
 from . import (
     blocks as blocks,
     filters as filters,
@@ -9,11 +11,18 @@ from . import (
     optim as optim,
     spectral as spectral,
 )
+from ._compat import hide_frames as _hide_frames
+from ._config import (
+    Config as Config,
+    configure as configure,
+    current_config as current_config,
+)
 from ._curvature import (
     Curvature as Curvature,
     curvature as curvature,
     value_grad_and_curvature as value_grad_and_curvature,
 )
+from ._declare import register_dense as register_dense
 from ._estimators import (
     GGN as GGN,
     AbstractEstimator as AbstractEstimator,
@@ -68,5 +77,8 @@ from .losses import (
     squared_error as squared_error,
 )
 
+
+# Users' tracebacks show their own code, not eqfisher's frames (as Equinox does).
+_hide_frames(_os.path.dirname(__file__))
 
 __version__ = "0.1.0"

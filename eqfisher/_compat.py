@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.extend as jex
+from jax._src import traceback_util
 from jax.interpreters import ad, batching, mlir
 
 
@@ -163,3 +164,9 @@ def instantiate_zeros(tangent: Any) -> Any:
 def move_batch_axis(x: Any, bdim: Any, size: int) -> Any:
     """Moves a vmapped operand's batch axis to 0, broadcasting unbatched ones."""
     return batching.bdim_at_front(x, bdim, size)
+
+
+def hide_frames(path: str) -> None:
+    """Leaves the frames of files under `path` out of the tracebacks JAX shows
+    (`JAX_TRACEBACK_FILTERING`), as Equinox does for its own."""
+    traceback_util.register_exclusion(path)

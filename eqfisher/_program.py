@@ -3,21 +3,24 @@
 Nested `jit`, `jax.checkpoint` and custom-derivative calls that carry parameters or
 a loss tag are inlined, so that layers inside them are visible and can be perturbed.
 A `scan` that reads parameters (stacked layers as `xs`, or shared weights as
-consts) is unrolled, up to `MAX_UNROLL` steps: each step's slice of a stacked leaf
+consts) is unrolled, up to `Config.max_unroll` steps: each step's slice of a stacked leaf
 becomes a *unit*, a parameter of its own, so the layers of every step are found.
 Every other equation (`relu`'s custom JVP, `cond`, longer scans, ...) stays one
 opaque node evaluated as a whole, so its own derivative rules are kept.
 """
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import _compat
+from ._config import current_config
+from ._declare import layer_tag_p
 from .losses import loss_tag_p
 
 
@@ -44,20 +47,36 @@ class Const:
     value: Any
 
 
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """The parameter a variable holds: leaf `leaf`, sliced at `index` for a scan
+    unit; with `exact=False`, a view or a slice of it."""
+
+    leaf: int
+    index: tuple[int, ...] = ()
+    exact: bool = True
+
+
 class PVar:
     """A variable of the flattened program (compared by identity).
 
     Inlining the same nested jaxpr twice (a jitted layer called for two layers)
     must give two sets of variables, so the program never reuses jaxpr `Var`s.
+    `origin` says which parameter it holds, if any (a call fed by one is inlined).
     """
 
-    __slots__ = ("aval",)
+    __slots__ = ("aval", "origin")
 
-    def __init__(self, aval):
+    def __init__(self, aval, origin: Origin | None = None):
         self.aval = aval
+        self.origin = origin
 
     def __repr__(self) -> str:
         return f"PVar({self.aval.str_short()})"
+
+
+def _holds_param(atom: "Atom") -> bool:
+    return isinstance(atom, PVar) and atom.origin is not None
 
 
 Atom = PVar | Const
@@ -98,11 +117,6 @@ class Node:
         return tuple(self.operand(i) for i in range(len(self.eqn.invars)))
 
 
-# Scans longer than this stay opaque: unrolling them would make the program (and
-# its compile time) grow with the number of steps.
-MAX_UNROLL = 128
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Unit:
     """A slice `leaf[index]` of a stacked parameter leaf, read by one scan step.
@@ -139,9 +153,6 @@ class Program:
                 out.setdefault(a, []).append(node)
         return out
 
-    def producers(self) -> dict[int, Node]:
-        return {id(v): n for n in self.nodes for v in n.outs if v is not None}
-
 
 def _contains_loss_tag(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
@@ -153,128 +164,209 @@ def _contains_loss_tag(jaxpr) -> bool:
     return False
 
 
-def _scan_reads(eqn, args, param_like: set[int]) -> bool:
-    return (
-        eqn.primitive.name == "scan"
-        and 0 < eqn.params["length"] <= MAX_UNROLL
-        and any(id(a) in param_like for a in args)
-        and _compat.call_body_of(eqn.params["jaxpr"]) is not None
-    )
+class _Piece(NamedTuple):
+    """What flattening part of a jaxpr gives: the atoms of its outputs, its
+    equations and the scan units it cut."""
+
+    outs: list[Atom]
+    nodes: tuple[Node, ...] = ()
+    units: tuple[Unit, ...] = ()
+
+
+def _unit_keys(units: Sequence[Unit]) -> frozenset[tuple[int, tuple[int, ...]]]:
+    return frozenset((u.leaf, u.index) for u in units)
+
+
+def _atom(scope: Mapping[int, Atom], v) -> Atom:
+    if _compat.is_literal(v):
+        return Const(_compat.literal_value(v))
+    return scope[id(v)]
 
 
 def flatten(jaxpr, consts: Sequence[Any], num_params: int) -> Program:
     """Inlines the call equations that carry parameters or loss tags, and unrolls
-    the scans that read parameters.
+    the scans that read parameters (and the declared layers with groups).
 
     The first `num_params` invars of `jaxpr` are the parameters.
     """
+    invars = tuple(
+        PVar(v.aval, Origin(i) if i < num_params else None)
+        for i, v in enumerate(jaxpr.invars)
+    )
+    scope = {id(v): Const(c) for v, c in zip(jaxpr.constvars, consts)}
+    scope.update({id(v): p for v, p in zip(jaxpr.invars, invars)})
+    piece = _walk(jaxpr, scope, frozenset())
+    return Program(invars, piece.nodes, tuple(piece.outs), piece.units)
+
+
+def _walk(
+    jaxpr,
+    scope: Mapping[int, Atom],
+    made: frozenset,
+    out_origins: Mapping[int, Origin] = types.MappingProxyType({}),
+) -> _Piece:
+    """Flattens the equations of `jaxpr`, whose variables `scope` binds.
+
+    `made` are the `(leaf, index)` of the units already cut; `out_origins` gives
+    origins to some of the jaxpr's outputs (the units a slice cuts).
+    """
+    scope = dict(scope)
     nodes: list[Node] = []
     units: list[Unit] = []
-    invars = tuple(PVar(v.aval) for v in jaxpr.invars)
-    # Parameters and views of them; a call fed by one is inlined.
-    param_like: set[int] = {id(v) for v in invars[:num_params]}
-    # Parameter leaves and units: variable -> (leaf, index).
-    origin: dict[int, tuple[int, tuple[int, ...]]] = {
-        id(v): (i, ()) for i, v in enumerate(invars[:num_params])
-    }
-    seen: set[tuple[int, tuple[int, ...]]] = set()  # the (leaf, index) of every unit
+    for eqn in jaxpr.eqns:
+        atoms = [_atom(scope, v) for v in eqn.invars]
+        piece = _flatten_eqn(eqn, atoms, made, out_origins)
+        nodes.extend(piece.nodes)
+        units.extend(piece.units)
+        made = made | _unit_keys(piece.units) if piece.units else made
+        for v, r in zip(eqn.outvars, piece.outs):
+            if r is not None and not _compat.is_drop_var(v):
+                scope[id(v)] = r
+    outs = [_atom(scope, v) for v in jaxpr.outvars]
+    return _Piece(outs, tuple(nodes), tuple(units))
 
-    def walk(jaxpr, scope: dict[int, Atom]) -> list[Atom]:
-        def atom(v) -> Atom:
-            if _compat.is_literal(v):
-                return Const(_compat.literal_value(v))
-            return scope[id(v)]
 
-        for eqn in jaxpr.eqns:
-            args = tuple(atom(v) for v in _compat.unique_invars(eqn))
-            body = _compat.call_body(eqn)
-            if body is not None and (
-                any(id(a) in param_like for a in args) or _contains_loss_tag(body[0])
-            ):
-                results = inline(body, [atom(u) for u in eqn.invars])
-            elif _scan_reads(eqn, args, param_like):
-                results = unroll(eqn, [atom(u) for u in eqn.invars])
-            else:
-                outs = tuple(
-                    None if _compat.is_drop_var(v) else PVar(v.aval)
-                    for v in eqn.outvars
-                )
-                if eqn.primitive.name in STRUCTURAL and any(
-                    id(a) in param_like for a in args
-                ):
-                    param_like.update(id(o) for o in outs if o is not None)
-                nodes.append(Node(eqn, args, outs, _compat.eqn_evaluator(eqn)))
-                results = outs
-            for v, r in zip(eqn.outvars, results):
-                if r is not None and not _compat.is_drop_var(v):
-                    scope[id(v)] = r
-        return [atom(v) for v in jaxpr.outvars]
-
-    def inline(body, atoms: Sequence[Atom]) -> list[Atom]:
-        inner, inner_consts = body
-        scope = {id(v): Const(c) for v, c in zip(inner.constvars, inner_consts)}
-        scope.update({id(v): a for v, a in zip(inner.invars, atoms)})
-        return walk(inner, scope)
-
-    def call(fn: Callable, atoms: Sequence[Atom]) -> list[Atom]:
-        """Inlines the jaxpr of `fn` applied to `atoms`."""
-        if all(isinstance(a, Const) for a in atoms):
-            out = fn(*(a.value for a in atoms))
-            return [Const(x) for x in (out if isinstance(out, list) else [out])]
-        specs = [
-            jax.ShapeDtypeStruct(np.shape(a.value), np.result_type(a.value))
-            if isinstance(a, Const)
-            else jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype)
-            for a in atoms
-        ]
-        return inline(_compat.make_jaxpr(fn, *specs), atoms)
-
-    def step_slice(a: Atom, step: int) -> Atom:
-        start = len(nodes)
-        (out,) = call(lambda x: jax.lax.index_in_dim(x, step, keepdims=False), [a])
-        # A slice already cut by another scan is no new unit: the detector then
-        # sees its stacked leaf read outside the first scan and says so.
-        if (
-            id(a) in origin
-            and isinstance(out, PVar)
-            and (origin[id(a)][0], origin[id(a)][1] + (step,)) not in seen
-        ):
-            leaf, index = origin[id(a)]
-            seen.add((leaf, index + (step,)))
-            origin[id(out)] = (leaf, index + (step,))
-            units.append(Unit(out, leaf, index + (step,), a, tuple(nodes[start:])))
-            param_like.add(id(out))
-        elif id(a) in param_like and isinstance(out, PVar):
-            param_like.add(id(out))
-        return out
-
-    def unroll(eqn, atoms: Sequence[Atom]) -> list[Atom]:
-        p = eqn.params
-        (n_c, n_carry), length = _compat.scan_counts(eqn), p["length"]
-        consts, carry = list(atoms[:n_c]), list(atoms[n_c : n_c + n_carry])
-        xs = atoms[n_c + n_carry :]
-        body = _compat.call_body_of(p["jaxpr"])
-        steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
-        ys_steps = {}
-        for step in steps:
-            x = [step_slice(a, step) for a in xs]
-            results = inline(body, consts + carry + x)
-            carry, ys_steps[step] = results[:n_carry], results[n_carry:]
-        ys = []
-        for j, v in enumerate(eqn.outvars[n_carry:]):
-            if _compat.is_drop_var(v):
-                ys.append(None)
-                continue
-            parts = [ys_steps[t][j] for t in range(length)]
-            ys.extend(call(lambda *y: jnp.stack(y), parts))
-        return carry + ys
-
-    scope: dict[int, Atom] = {id(v): Const(c) for v, c in zip(jaxpr.constvars, consts)}
-    scope.update({id(v): p for v, p in zip(jaxpr.invars, invars)})
-    outvars = walk(jaxpr, scope)
-    return Program(
-        invars=invars, nodes=tuple(nodes), outvars=tuple(outvars), units=tuple(units)
+def _flatten_eqn(eqn, atoms, made, out_origins) -> _Piece:
+    args = [_atom_of(eqn, atoms, v) for v in _compat.unique_invars(eqn)]
+    body = _compat.call_body(eqn)
+    reads_params = any(_holds_param(a) for a in args)
+    if body is not None and (reads_params or _contains_loss_tag(body[0])):
+        return _inline(body, atoms, made)
+    if reads_params and _unrolls(eqn):
+        return _unroll(eqn, atoms, made)
+    if reads_params and eqn.primitive is layer_tag_p and eqn.params["groups"]:
+        return _ungroup(eqn, atoms, made)
+    # A relayout of a parameter is a view of it: still a parameter.
+    origin = next((a.origin for a in args if isinstance(a, PVar) and a.origin), None)
+    if origin is not None and eqn.primitive.name in STRUCTURAL:
+        origin = dataclasses.replace(origin, exact=False)
+    else:
+        origin = None
+    outs = tuple(
+        None if _compat.is_drop_var(v) else PVar(v.aval, out_origins.get(id(v), origin))
+        for v in eqn.outvars
     )
+    node = Node(eqn, tuple(args), outs, _compat.eqn_evaluator(eqn))
+    return _Piece(list(outs), (node,))
+
+
+def _atom_of(eqn, atoms, v) -> Atom:
+    return atoms[[id(u) for u in eqn.invars].index(id(v))]
+
+
+def _inline(
+    body, atoms: Sequence[Atom], made, origins: Sequence[Origin | None] = ()
+) -> _Piece:
+    """Flattens a call's body applied to `atoms`; `origins` are given to its
+    outputs."""
+    inner, inner_consts = body
+    scope = {id(v): Const(c) for v, c in zip(inner.constvars, inner_consts)}
+    scope.update({id(v): a for v, a in zip(inner.invars, atoms)})
+    out_origins = {id(v): o for v, o in zip(inner.outvars, origins) if o is not None}
+    return _walk(inner, scope, made, types.MappingProxyType(out_origins))
+
+
+def _call(
+    fn: Callable, atoms: Sequence[Atom], made, origins: Sequence[Origin | None] = ()
+) -> _Piece:
+    """Flattens the jaxpr of `fn` applied to `atoms`."""
+    if all(isinstance(a, Const) for a in atoms):
+        out = fn(*(a.value for a in atoms))
+        return _Piece([Const(x) for x in (out if isinstance(out, list) else [out])])
+    specs = [
+        jax.ShapeDtypeStruct(np.shape(a.value), np.result_type(a.value))
+        if isinstance(a, Const)
+        else jax.ShapeDtypeStruct(a.aval.shape, a.aval.dtype)
+        for a in atoms
+    ]
+    return _inline(_compat.make_jaxpr(fn, *specs), atoms, made, origins)
+
+
+def _step_slice(a: Atom, step: int, made) -> _Piece:
+    """`a[step]`; a new scan unit when `a` is a parameter leaf or unit.
+
+    A slice already cut by another scan is no new unit: the detector then sees its
+    stacked leaf read outside the first scan and says so.
+    """
+    origin = a.origin if isinstance(a, PVar) else None
+    if origin is not None:
+        key = (origin.leaf, origin.index + (step,))
+        exact = origin.exact and key not in made
+        origin = Origin(key[0], key[1], exact)
+    piece = _call(
+        lambda x: jax.lax.index_in_dim(x, step, keepdims=False), [a], made, [origin]
+    )
+    (out,) = piece.outs
+    if origin is None or not origin.exact or not isinstance(out, PVar):
+        return piece
+    unit = Unit(out, origin.leaf, origin.index, a, piece.nodes)  # pyright: ignore
+    return piece._replace(units=piece.units + (unit,))
+
+
+def _slice_all(atoms: Sequence[Atom], step: int, made) -> _Piece:
+    """`[a[step] for a in atoms]`, cutting units from parameters."""
+    outs, nodes, units = [], [], []
+    for a in atoms:
+        piece = _step_slice(a, step, made | _unit_keys(units))
+        outs.extend(piece.outs)
+        nodes.extend(piece.nodes)
+        units.extend(piece.units)
+    return _Piece(outs, tuple(nodes), tuple(units))
+
+
+def _unrolls(eqn) -> bool:
+    return (
+        eqn.primitive.name == "scan"
+        and 0 < eqn.params["length"] <= current_config().max_unroll
+        and _compat.call_body_of(eqn.params["jaxpr"]) is not None
+    )
+
+
+def _unroll(eqn, atoms: Sequence[Atom], made) -> _Piece:
+    """Inlines every step of a scan, cutting its stacked parameters into units."""
+    p = eqn.params
+    (n_c, n_carry), length = _compat.scan_counts(eqn), p["length"]
+    consts, carry = list(atoms[:n_c]), list(atoms[n_c : n_c + n_carry])
+    xs = atoms[n_c + n_carry :]
+    body = _compat.call_body_of(p["jaxpr"])
+    steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
+    pieces, ys_steps = [], {}
+    for step in steps:
+        x = _slice_all(xs, step, made | _unit_keys(_units_of(pieces)))
+        so_far = made | _unit_keys(_units_of(pieces) + x.units)
+        inlined = _inline(body, consts + carry + x.outs, so_far)
+        pieces += [x, inlined]
+        carry, ys_steps[step] = inlined.outs[:n_carry], inlined.outs[n_carry:]
+    for j, v in enumerate(eqn.outvars[n_carry:]):
+        if _compat.is_drop_var(v):
+            pieces.append(_Piece([None]))
+            continue
+        parts = [ys_steps[t][j] for t in range(length)]
+        pieces.append(_call(lambda *y: jnp.stack(y), parts, made))
+    ys = [o for piece in pieces[2 * length :] for o in piece.outs]
+    return _Piece(carry + ys, _nodes_of(pieces), _units_of(pieces))
+
+
+def _ungroup(eqn, atoms: Sequence[Atom], made) -> _Piece:
+    """Cuts a declared layer with groups into one declared layer per group, each
+    reading its own unit of the grouped weight."""
+    params = dict(eqn.params, groups=eqn.params["groups"] - 1)
+    pieces = []
+    for group in range(eqn.outvars[0].aval.shape[0]):
+        cut = _slice_all(atoms, group, made | _unit_keys(_units_of(pieces)))
+        tagged = _call(lambda *ops: layer_tag_p.bind(*ops, **params), cut.outs, made)
+        pieces += [cut, tagged]
+    parts = [o for piece in pieces[1::2] for o in piece.outs]
+    stacked = _call(lambda *y: jnp.stack(y), parts, made)
+    return _Piece(stacked.outs, _nodes_of(pieces + [stacked]), _units_of(pieces))
+
+
+def _nodes_of(pieces: Sequence[_Piece]) -> tuple[Node, ...]:
+    return tuple(n for piece in pieces for n in piece.nodes)
+
+
+def _units_of(pieces: Sequence[_Piece]) -> tuple[Unit, ...]:
+    return tuple(u for piece in pieces for u in piece.units)
 
 
 @jax.tree_util.register_pytree_node_class

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PyTree
 
 from . import _compat, _objective
+from ._config import current_config
 from ._layers import LayerInfo, LayerRecord, detect, sources, unit_paths
 from ._program import Evaluation, Program, PVar, VarMap, evaluate, flatten
 from .losses import AbstractLossFamily, loss_tag_p, loss_value_tag_p
@@ -369,7 +370,8 @@ class Traced:
         self.returns = returns
 
     def trace(self, s: Split) -> ProcessedTrace:
-        cached = self.cache.get(s.key)
+        key = (s.key, current_config())
+        cached = self.cache.get(key)
         if cached is not None:
             return cached
         processed = trace(self.loss_fn, s, caller=self.caller, returns=self.returns)
@@ -377,7 +379,7 @@ class Traced:
             n for n in processed.program.nodes for a in n.args if _is_tracer_const(a)
         ]
         if not consts:
-            self.cache[s.key] = processed
+            self.cache[key] = processed
         return processed
 
 

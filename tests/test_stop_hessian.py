@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
 
-from eqfisher._stop_hessian import stop_hessian
+from eqfisher import stop_hessian
 
 
 MODES = {

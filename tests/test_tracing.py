@@ -155,8 +155,8 @@ def _rebuilt_params_tangent(record: LayerRecord, d: ef.LayerData):
     perm = record.weight_perm
     view_shape = tuple(weight.shape[p] for p in perm)
     leaves.append(jnp.transpose(w_mat.reshape(view_shape), np.argsort(perm)))
-    if record.has_bias:
-        leaves.append(jnp.sum(g, 0).reshape(record.bias_shape))
+    if len(d.params) == 2:  # and a bias
+        leaves.append(jnp.sum(g, 0).reshape(d.params[1].shape))
     return tuple(leaves)
 
 

@@ -1,0 +1,86 @@
+"""Settings that change how eqfisher traces a loss, read at trace time.
+
+`eqfisher.configure(...)` changes them for the code inside a `with` block;
+`eqfisher.current_config()` reads them. A traced loss is cached per configuration,
+so changing a setting retraces.
+"""
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """eqfisher's settings.
+
+    **Fields:**
+
+    - `max_unroll`: a `jax.lax.scan` that reads parameters is unrolled, so that the
+      layers of every step are found, when it has at most this many steps (default
+      128). Longer scans stay opaque: their parameters get diagonal blocks, because
+      unrolling would make the traced program (and its compile time) grow with the
+      number of steps.
+    - `max_patch_elements`: K-FAC forms a convolution's patch matrix for a chunk of
+      examples at a time when the whole matrix would hold more elements than this
+      (default 2**20), so that memory stays bounded however large the batch.
+    """
+
+    max_unroll: int = 128
+    max_patch_elements: int = 2**20
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(
+                    f"`eqfisher.configure({field.name}={value!r})`: "
+                    f"`{field.name}` must be a positive integer."
+                )
+
+
+# `Config` is frozen, so one shared default is safe.
+_CURRENT = contextvars.ContextVar("eqfisher_config", default=Config())  # noqa: B039
+
+
+def current_config() -> Config:
+    """The settings in effect (see `eqfisher.Config`)."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def configure(**changes: int) -> Iterator[Config]:
+    """Changes eqfisher's settings inside a `with` block.
+
+    **Arguments:**
+
+    - `**changes`: new values for fields of `eqfisher.Config`, e.g.
+      `max_unroll=16`.
+
+    **Returns:**
+
+    A context manager; it yields the `eqfisher.Config` in effect inside the block.
+
+    ```python
+    with ef.configure(max_unroll=1024) as config:
+        curv = ef.curvature(loss_fn, model, batch, structure=ef.KFAC())
+    assert config.max_unroll == 1024
+    assert ef.current_config().max_unroll == 128  # restored after the block
+    ```
+
+    Settings are read when a loss is traced, so under `jax.jit` the block must
+    surround the traced call.
+    """
+    names = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(changes) - names)
+    if unknown:
+        raise TypeError(
+            f"`eqfisher.configure({unknown[0]}=...)`: no such setting; the settings "
+            f"are {', '.join(f'`{n}`' for n in sorted(names))}."
+        )
+    token = _CURRENT.set(dataclasses.replace(_CURRENT.get(), **changes))
+    try:
+        yield _CURRENT.get()
+    finally:
+        _CURRENT.reset(token)
