@@ -1,0 +1,250 @@
+"""K-FAC statistics on scanned models: first-call (compile) and steady-state time
+against `eqx.filter_value_and_grad`, and the peak memory of a 32k-vocabulary model.
+
+The "before" numbers of issue 14 (statistics through `lax.scan`):
+
+- a GPT-style model: token embedding + positions, N blocks (LayerNorm, causal
+  `eqx.nn.MultiheadAttention`, LayerNorm, MLP 4d) built with `eqx.filter_vmap` and
+  applied with `lax.scan`, final LayerNorm, head; d = 64, T = 32, batch 8,
+  vocabulary 512; N = 4 and 12;
+- a GRU (`eqx.nn.GRUCell`, 4 units) over T = 32, 100, 200 steps, a linear head on
+  the last state;
+- statistics: `ef.value_grad_and_curvature` with `FisherMC()` and
+  `KFAC(weight_sharing="reduce")` / `"expand"`, jitted; the reference is
+  `eqx.filter_value_and_grad` of the same loss, jitted.
+
+"first" is the first call (tracing, compilation and one run), "steady" the median
+of later calls. Both are wall-clock seconds, with the process's CPU seconds
+alongside ("cpu"), which are what a busy machine distorts least.
+
+`--memory` runs a GPT with a 32,000-token vocabulary, d = 256 (4 blocks, T = 32,
+batch 8): `ef.memory_estimate` (from shapes) with and without
+`KFAC(max_factor_dim=...)`, then K-FAC statistics and optimiser steps with
+`max_factor_dim`, and the peak resident memory (`resource.getrusage`). Run it in
+its own process so that the peak is its own:
+
+    OPENBLAS_NUM_THREADS=1 taskset -c 1 python benchmarks/transformer_scale.py
+    OPENBLAS_NUM_THREADS=1 taskset -c 1 python benchmarks/transformer_scale.py --memory
+"""
+
+import argparse
+import os
+import platform
+import resource
+import statistics
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import eqfisher as ef
+
+
+# --- models ---------------------------------------------------------------------
+
+
+class Block(eqx.Module):
+    norm1: eqx.nn.LayerNorm
+    attention: eqx.nn.MultiheadAttention
+    norm2: eqx.nn.LayerNorm
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, d: int, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.norm1 = eqx.nn.LayerNorm(d)
+        self.attention = eqx.nn.MultiheadAttention(4, d, key=k1)
+        self.norm2 = eqx.nn.LayerNorm(d)
+        self.up = eqx.nn.Linear(d, 4 * d, key=k2)
+        self.down = eqx.nn.Linear(4 * d, d, key=k3)
+
+    def __call__(self, x):  # (T, d)
+        t = x.shape[0]
+        h = jax.vmap(self.norm1)(x)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        x = x + self.attention(h, h, h, mask=causal)
+        h = jax.vmap(self.norm2)(x)
+        return x + jax.vmap(self.down)(jax.nn.gelu(jax.vmap(self.up)(h)))
+
+
+class GPT(eqx.Module):
+    embedding: eqx.nn.Embedding
+    positions: jax.Array
+    blocks: Block  # stacked: every leaf has a leading axis of size N
+    norm: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, n: int, d: int, vocabulary: int, t: int, key):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        self.embedding = eqx.nn.Embedding(vocabulary, d, key=k1)
+        self.positions = 0.02 * jax.random.normal(k2, (t, d))
+        self.blocks = eqx.filter_vmap(lambda k: Block(d, k))(jax.random.split(k3, n))
+        self.norm = eqx.nn.LayerNorm(d)
+        self.head = eqx.nn.Linear(d, vocabulary, key=k4)
+
+    def __call__(self, tokens):  # (T,) -> (T, vocabulary)
+        x = jax.vmap(self.embedding)(tokens) + self.positions
+        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def step(x, block):
+            return eqx.combine(block, static)(x), None
+
+        x, _ = jax.lax.scan(step, x, dynamic)
+        return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+
+
+def gpt_problem(n, d=64, vocabulary=512, t=32, batch=8):
+    model = GPT(n, d, vocabulary, t, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (batch, t + 1), 0, vocabulary)
+    return model, (tokens[:, :-1], tokens[:, 1:])
+
+
+def gpt_loss(model, batch):
+    x, y = batch
+    return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
+
+
+class GRU(eqx.Module):
+    cell: eqx.nn.GRUCell
+    head: eqx.nn.Linear
+
+    def __init__(self, inputs: int, units: int, classes: int, key):
+        k1, k2 = jax.random.split(key)
+        self.cell = eqx.nn.GRUCell(inputs, units, key=k1)
+        self.head = eqx.nn.Linear(units, classes, key=k2)
+
+    def __call__(self, xs):  # (T, inputs)
+        def step(h, x):
+            return self.cell(x, h), None
+
+        h, _ = jax.lax.scan(step, jnp.zeros(self.cell.hidden_size), xs)
+        return self.head(h)
+
+
+def gru_problem(t, batch=8, inputs=3, units=4, classes=2):
+    model = GRU(inputs, units, classes, jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (batch, t, inputs))
+    y = jax.random.randint(jax.random.key(2), (batch,), 0, classes)
+    return model, (x, y)
+
+
+gru_loss = gpt_loss  # softmax cross-entropy of vmap(model)(x) against y
+
+
+# --- timing ---------------------------------------------------------------------
+
+
+def _timed(fn, *args, repeats=5, **kwargs):
+    """`(first wall, first cpu, steady wall, steady cpu)` in seconds."""
+    w, c = time.perf_counter(), time.process_time()
+    jax.block_until_ready(fn(*args, **kwargs))
+    first = time.perf_counter() - w, time.process_time() - c
+    walls, cpus = [], []
+    for _ in range(repeats):
+        w, c = time.perf_counter(), time.process_time()
+        jax.block_until_ready(fn(*args, **kwargs))
+        walls.append(time.perf_counter() - w)
+        cpus.append(time.process_time() - c)
+    return (*first, statistics.median(walls), statistics.median(cpus))
+
+
+def compare(name, loss_fn, model, batch):
+    grad = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
+    base = _timed(grad, model, batch)
+    print(
+        f"{name:<14} value_and_grad     first {base[0]:7.2f} s (cpu {base[1]:6.2f})"
+        f"  steady {1e3 * base[2]:8.2f} ms (cpu {1e3 * base[3]:8.2f})",
+        flush=True,
+    )
+    for sharing in ("reduce", "expand"):
+        vgc = eqx.filter_jit(
+            ef.value_grad_and_curvature(
+                loss_fn,
+                estimator=ef.FisherMC(),
+                structure=ef.KFAC(weight_sharing=sharing),
+            )
+        )
+        t = _timed(vgc, model, batch, key=jax.random.key(0))
+        print(
+            f"{name:<14} K-FAC {sharing:<7}      first {t[0]:7.2f} s (cpu {t[1]:6.2f})"
+            f"  steady {1e3 * t[2]:8.2f} ms (cpu {1e3 * t[3]:8.2f})"
+            f"   ratios: first {t[0] / base[0]:5.2f}x (cpu {t[1] / base[1]:5.2f}x),"
+            f" steady {t[2] / base[2]:5.2f}x (cpu {t[3] / base[3]:5.2f}x)",
+            flush=True,
+        )
+
+
+def memory(max_factor_dim=4096, steps=3):
+    model, batch = gpt_problem(4, d=256, vocabulary=32_000)
+    estimator = ef.FisherMC()
+    for m in (None, max_factor_dim):
+        structure = ef.KFAC(weight_sharing="reduce", max_factor_dim=m)
+        vgc = ef.value_grad_and_curvature(
+            gpt_loss, estimator=estimator, structure=structure
+        )
+        like = ef.optim.curvature_like(vgc, model, batch, key=jax.random.key(0))
+        opt = ef.optim.kfac(1e-2, like=like)
+        estimate = ef.memory_estimate(
+            gpt_loss,
+            model,
+            batch,
+            estimator=estimator,
+            structure=structure,
+            key=jax.random.key(0),
+            optimiser=opt,
+        )
+        print(f"\nmemory_estimate, KFAC(max_factor_dim={m}):\n{estimate}", flush=True)
+    step = ef.optim.kfac_step(gpt_loss, opt, estimator=estimator, structure=structure)
+    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    w = time.perf_counter()
+    for i in range(steps):
+        model, state, loss = step(model, state, batch, jax.random.key(i))
+        jax.block_until_ready(loss)
+        if i == 0:
+            first = time.perf_counter() - w
+    rest = (time.perf_counter() - w - first) / max(steps - 1, 1)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    print(
+        f"\nK-FAC steps (statistics every step, max_factor_dim={max_factor_dim}): "
+        f"first {first:.1f} s, then {rest:.2f} s/step, loss {float(loss):.3f}; "
+        f"peak RSS {peak:.2f} GiB",
+        flush=True,
+    )
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--memory", action="store_true", help="the 32k-vocab run")
+    parser.add_argument("--gpt", type=int, nargs="*", default=[4, 12])
+    parser.add_argument("--gru", type=int, nargs="*", default=[32, 100, 200])
+    args = parser.parse_args()
+    print(
+        f"jax {jax.__version__}, eqfisher {ef.__version__}, {_cpu()}, "
+        f"affinity {sorted(os.sched_getaffinity(0))}, "
+        f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}, "
+        f"load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    if args.memory:
+        memory()
+        return
+    for n in args.gpt:
+        compare(f"GPT N={n}", gpt_loss, *gpt_problem(n))
+    for t in args.gru:
+        compare(f"GRU T={t}", gru_loss, *gru_problem(t))
+
+
+if __name__ == "__main__":
+    main()
