@@ -93,10 +93,12 @@ class MemoryEstimate(eqx.Module):
 
     @property
     def curvature(self) -> int:
+        """The bytes of all curvature blocks."""
         return sum(b.nbytes for b in self.blocks)
 
     @property
     def total(self) -> int:
+        """Parameters, gradient, curvature and optimiser state, in bytes."""
         return 2 * self.parameters + self.curvature + (self.optimiser_state or 0)
 
     def __str__(self) -> str:
@@ -104,7 +106,7 @@ class MemoryEstimate(eqx.Module):
         lines = [
             f"parameters        {_size(self.parameters):>10}  (gradient the same)",
             f"curvature         {_size(self.curvature):>10}  "
-            f"({len(self.blocks)} blocks)",
+            f"({len(self.blocks)} block{'' if len(self.blocks) == 1 else 's'})",
         ]
         for b in self.blocks[:shown]:
             shapes = ", ".join("×".join(map(str, s)) or "()" for s in b.shapes)
@@ -155,6 +157,11 @@ def memory_estimate(
 
     A `MemoryEstimate`; `print` it for a table, or read `.curvature`,
     `.optimiser_state`, `.total` (bytes).
+
+    **Raises:**
+
+    What `eqfisher.curvature` raises for these arguments (checked while tracing),
+    and a `TypeError` when `optimiser` is not an optax transformation.
 
     !!! Example
 
