@@ -64,7 +64,9 @@ def configure(**changes: int) -> Iterator[Config]:
 
     ```python
     with ef.configure(max_unroll=1024) as config:
-        curv = ef.curvature(loss_fn, model, batch, structure=ef.KFAC())
+        curv = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+        )
     assert config.max_unroll == 1024
     assert ef.current_config().max_unroll == 128  # restored after the block
     ```
