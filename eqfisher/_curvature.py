@@ -13,6 +13,7 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree, ScalarLike
 
 from . import _statistics as stats, filters
+from ._config import Config, current_config
 from ._estimators import AbstractEstimator, loss_vectors, stacked_vectors
 from ._examples import AbstractExamples, IndependentExamples, InteractingExamples
 from ._structures import (
@@ -500,14 +501,27 @@ def curvature(
     """
     _check_args("eqfisher.curvature", estimator, structure, key, examples)
     return _curvature_jit(
-        loss_fn, model, batch, estimator, structure, key, where, examples
+        loss_fn,
+        model,
+        batch,
+        estimator,
+        structure,
+        key,
+        where,
+        examples,
+        current_config(),
     )
 
 
 # Compiled even when called eagerly: the interpreted program would otherwise run op
 # by op. Inside an outer `jit` this is an ordinary nested call.
 @eqx.filter_jit
-def _curvature_jit(loss_fn, model, batch, estimator, structure, key, where, examples):
+def _curvature_jit(
+    loss_fn, model, batch, estimator, structure, key, where, examples, config: Config
+):
+    # `config` is a static argument: a changed setting (`eqfisher.configure`)
+    # compiles anew instead of reusing a program traced under another.
+    del config
     caller = "eqfisher.curvature"
     builder = _Builder(
         Traced(loss_fn, caller), estimator, structure, where, caller, examples
@@ -583,10 +597,11 @@ def value_grad_and_curvature(
 
     def fn(model, batch, *, key=None):
         _check_args(caller, estimator, structure, key, examples)
-        return compiled(model, batch, key)
+        return compiled(model, batch, key, current_config())
 
     @eqx.filter_jit
-    def compiled(model, batch, key):
+    def compiled(model, batch, key, config: Config):
+        del config  # static: see `_curvature_jit`
         builder = _Builder(traced, estimator, structure, where, caller, examples)
         curv, outputs, grads, s = builder(
             model, batch, key, full=True, cotangent_fn=cotangent_fn

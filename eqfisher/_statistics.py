@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from ._config import current_config
 from ._examples import leaf_axes
 from ._layers import LayerKind, LayerRecord
 from ._program import VarMap
@@ -148,11 +149,6 @@ def output_matrix(record: LayerRecord, g: Array) -> Array:
     return g.reshape(g.shape[:lead] + (-1, record.d_out)).astype(stat_dtype(g.dtype))
 
 
-# A conv layer whose patch matrix would hold more elements than this forms it for a
-# chunk of examples at a time (`_chunked_patches`).
-MAX_PATCH_ELEMENTS = 2**20
-
-
 def kronecker_factors(
     record: LayerRecord,
     x: Array,
@@ -208,7 +204,7 @@ def _patches_too_large(record: LayerRecord) -> bool:
     """Whether a conv layer's whole patch matrix (all locations × d_in) is over
     the limit."""
     locations = math.prod(record.core.eqn.outvars[0].aval.shape) // record.d_out
-    return locations * record.d_in > MAX_PATCH_ELEMENTS
+    return locations * record.d_in > current_config().max_patch_elements
 
 
 def _chunked_patches(
@@ -219,7 +215,7 @@ def _chunked_patches(
 ) -> tuple[Array, Array, int]:
     """`(Σ a aᵀ, Σ a, rows)` over a conv layer's patch rows `a`, forming the patch
     matrix for a chunk of examples at a time (a `lax.scan`), so that memory stays
-    near `MAX_PATCH_ELEMENTS` however large the batch. With `reduce_examples`, the
+    near `eqfisher.Config.max_patch_elements` however large the batch. With `reduce_examples`, the
     rows are each example's mean patch; with `diagonal`, Σ a aᵀ is its diagonal.
 
     Examples are the conv's batch axis; the last chunk is padded with zero
@@ -228,7 +224,8 @@ def _chunked_patches(
     axis = record.core.params["dimension_numbers"].lhs_spec[0]
     x = jnp.moveaxis(x, axis, 0)
     n = x.shape[0]
-    chunk = max(1, min(n, MAX_PATCH_ELEMENTS // _patch_elements(record)))
+    limit = current_config().max_patch_elements
+    chunk = max(1, min(n, limit // _patch_elements(record)))
     chunks = -(-n // chunk)
     x = jnp.pad(x, [(0, chunks * chunk - n)] + [(0, 0)] * (x.ndim - 1))
     xs = x.reshape((chunks, chunk) + x.shape[1:])

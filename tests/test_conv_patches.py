@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import eqfisher as ef
-from eqfisher import _statistics
 
 
 F64 = jnp.float64
@@ -103,7 +102,7 @@ def _loss(model, batch):
 @pytest.mark.parametrize("per_chunk", [1, 2])
 @pytest.mark.parametrize("sharing", ["expand", "reduce"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_chunked_patches_match_explicit_patches(name, sharing, per_chunk, monkeypatch):
+def test_chunked_patches_match_explicit_patches(name, sharing, per_chunk):
     model, batch = _model_and_batch(CONFIGS[name])
     structure = ef.KFAC(weight_sharing=sharing)
 
@@ -122,8 +121,8 @@ def test_chunked_patches_match_explicit_patches(name, sharing, per_chunk, monkey
     a_explicit, g_explicit = factors()
     # Three examples in chunks of one, or of two (the last padded with a zero one).
     per_example = 3 * int(np.prod(CONFIGS[name]["k"])) * _locations(model, batch)
-    monkeypatch.setattr(_statistics, "MAX_PATCH_ELEMENTS", per_chunk * per_example)
-    a_moments, g_moments = factors()
+    with ef.configure(max_patch_elements=per_chunk * per_example):
+        a_moments, g_moments = factors()
     np.testing.assert_allclose(a_moments, a_explicit, rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(g_moments, g_explicit, rtol=1e-12, atol=1e-14)
     assert a_moments.shape[0] == 3 * np.prod(CONFIGS[name]["k"]) + 1
