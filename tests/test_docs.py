@@ -1,0 +1,300 @@
+"""The documentation: API coverage, docstring examples, the tutorial's code.
+
+- Every public name of `eqfisher` and its public submodules has a `:::` entry in
+  docs/api.md, and every public method of a public class is rendered there (it has
+  a docstring; mkdocstrings leaves out members without one).
+- Every ```python block in a public docstring runs (the docstring examples), and
+  the main entry points have one, and say what they raise.
+- docs/getting_started.md's code runs, and what it prints says what the page says.
+
+Docstring examples run as a user runs them: float32 and standard dtype promotion
+(this suite's defaults are float64 and strict promotion), each in a fresh copy of
+the setup that docs/api.md shows (imports, `model`, `batch`, `loss_fn`, ...).
+"""
+
+import contextlib
+import importlib
+import inspect
+import pathlib
+import re
+import textwrap
+
+import jax
+import pytest
+
+import eqfisher as ef
+
+
+ROOT = pathlib.Path(__file__).parents[1]
+API = (ROOT / "docs" / "api.md").read_text()
+# The public submodules; `eqfisher.internal` is for eqfisher's own tests.
+SUBMODULES = (
+    "filters",
+    "blocks",
+    "optim",
+    "losses",
+    "spectral",
+    "laplace",
+    "influence",
+)
+
+
+def _resolve(path: str):
+    # The longest importable prefix, then attributes.
+    parts = path.split(".")
+    for k in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:k]))
+        except ImportError:
+            continue
+        for part in parts[k:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ImportError(path)
+
+
+def _entries() -> dict[str, str]:
+    """`::: path` entries of docs/api.md, with the options text that follows each."""
+    out = {}
+    for m in re.finditer(r"^::: (\S+)\n((?:[ \t]+\S.*\n)*)", API, flags=re.M):
+        out[m.group(1)] = m.group(2)
+    return out
+
+
+def _public(module) -> dict[str, object]:
+    if hasattr(module, "__all__"):
+        names = module.__all__
+    else:
+        names = [n for n in vars(module) if not n.startswith("_")]
+    out = {}
+    for n in names:
+        obj = getattr(module, n)
+        if inspect.ismodule(obj):
+            continue
+        # Defined in eqfisher (not a re-exported jax or typing name).
+        if (getattr(obj, "__module__", "") or "").startswith("eqfisher"):
+            out[n] = obj
+    return out
+
+
+def _modules():
+    return [ef] + [importlib.import_module(f"eqfisher.{m}") for m in SUBMODULES]
+
+
+def _public_classes() -> dict[str, type]:
+    out = {}
+    for module in _modules():
+        for name, obj in _public(module).items():
+            if inspect.isclass(obj):
+                out[f"{module.__name__}.{name}"] = obj
+    return out
+
+
+def test_every_public_submodule_is_listed():
+    found = {
+        n
+        for n, obj in vars(ef).items()
+        if inspect.ismodule(obj)
+        and not n.startswith("_")
+        and obj.__name__.startswith("eqfisher.")
+    }
+    assert found - {"internal"} <= set(SUBMODULES), found - set(SUBMODULES)
+
+
+def test_api_reference_covers_every_public_name():
+    documented = {id(_resolve(p)) for p in _entries()}
+    missing = [
+        f"{module.__name__}.{name}"
+        for module in _modules()
+        for name, obj in _public(module).items()
+        if id(obj) not in documented
+    ]
+    assert not missing, f"not in docs/api.md: {missing}"
+
+
+def test_api_reference_explains_type_aliases():
+    # Aliases in public signatures, which have no `__module__` to find them by.
+    for path in ("eqfisher.optim.ScalarOrSchedule",):
+        assert path in _entries(), path
+
+
+def _public_methods(cls: type) -> dict[str, object]:
+    out = {}
+    for name, attr in vars(cls).items():
+        if name.startswith("_"):
+            continue
+        fn = attr.fget if isinstance(attr, property) else attr
+        fn = getattr(fn, "__func__", fn)  # staticmethod, classmethod
+        if inspect.isfunction(fn):
+            out[name] = fn
+    return out
+
+
+def test_api_reference_covers_every_public_method():
+    # A class's entry renders its own members that have a docstring (members
+    # inherited, not overridden, are rendered on the base class's entry).
+    entries = _entries()
+    by_id = {id(_resolve(p)): p for p in entries}
+    problems = []
+    for path, cls in _public_classes().items():
+        entry = by_id.get(id(cls))
+        if entry is None:
+            continue  # reported by test_api_reference_covers_every_public_name
+        for name in _public_methods(cls):
+            options = entries[entry]
+            hidden = "members: false" in options or (
+                "members:" in options and f"- {name}" not in options
+            )
+            # As Python's `inspect.getdoc`, the API reference (through
+            # docs/hooks/inherit_docstrings.py) takes a missing docstring from the
+            # base classes.
+            if hidden or not inspect.getdoc(getattr(cls, name)):
+                problems.append(f"{path}.{name}")
+    assert not problems, f"public methods with no API entry: {problems}"
+
+
+def test_curvature_methods_are_documented():
+    # The home page advertises these.
+    for name in ("mv", "solve", "as_matrix", "diagonal", "logdet", "trace", "ema"):
+        assert inspect.getdoc(getattr(ef.Curvature, name)), name
+
+
+# --- docstring examples -----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def as_a_user():
+    """JAX's default float32 and promotion rules, as a user runs examples."""
+    if hasattr(jax, "enable_x64"):
+        enable_x64 = jax.enable_x64
+    else:  # older jax
+        from jax.experimental import enable_x64
+    with (
+        jax.numpy_dtype_promotion("standard"),
+        jax.numpy_rank_promotion("allow"),
+        enable_x64(False),
+    ):
+        yield
+
+
+def _documented_objects():
+    """(qualified name, object) for every public function, class and method."""
+    seen, out = set(), []
+    for module in _modules():
+        items = [(module.__name__, module)]
+        for name, obj in _public(module).items():
+            items.append((f"{module.__name__}.{name}", obj))
+            if inspect.isclass(obj):
+                for m, fn in _public_methods(obj).items():
+                    items.append((f"{module.__name__}.{name}.{m}", fn))
+        for qual, obj in items:
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                out.append((qual, obj))
+    return out
+
+
+def _examples(obj) -> list[str]:
+    doc = inspect.getdoc(obj) or ""
+    return [
+        textwrap.dedent(code)
+        for code in re.findall(r"```python\n(.*?)```", doc, flags=re.S)
+    ]
+
+
+EXAMPLES = [(q, o) for q, o in _documented_objects() if _examples(o)]
+
+
+@pytest.fixture(scope="module")
+def setup() -> dict:
+    """The scope docstring examples assume: the setup block of docs/api.md."""
+    (code,) = re.findall(
+        r"<!-- example setup -->\n```python\n(.*?)```", API, flags=re.S
+    )
+    scope: dict = {}
+    with as_a_user():
+        exec(compile(code, "docs/api.md (example setup)", "exec"), scope)
+    return scope
+
+
+@pytest.mark.parametrize("obj", [o for _, o in EXAMPLES], ids=[q for q, _ in EXAMPLES])
+def test_docstring_example_runs(obj, setup):
+    scope = dict(setup)
+    name = getattr(obj, "__qualname__", getattr(obj, "__name__", "?"))
+    with as_a_user():
+        for code in _examples(obj):
+            exec(compile(code, f"<docstring of {name}>", "exec"), scope)
+
+
+# The main entry points: each carries a runnable example and says what it raises.
+MAIN = [
+    ef.curvature,
+    ef.value_grad_and_curvature,
+    ef.find_layers,
+    ef.ggn_operator,
+    ef.hessian_operator,
+    ef.empirical_fisher_operator,
+    ef.stop_hessian,
+    ef.softmax_cross_entropy,
+    ef.squared_error,
+    ef.Curvature.solve,
+    ef.optim.kfac,
+    ef.optim.kfac_step,
+    ef.optim.curvature_like,
+    ef.filters.by_path,
+    ef.spectral.trace,
+    ef.laplace.fit,
+    ef.influence.influence_scores,
+]
+
+
+@pytest.mark.parametrize("fn", MAIN, ids=[f.__qualname__ for f in MAIN])
+def test_main_entry_points_have_an_example_and_raises(fn):
+    doc = inspect.getdoc(fn) or ""
+    assert _examples(fn), f"{fn.__qualname__}: no ```python example"
+    assert "**Raises:**" in doc, f"{fn.__qualname__}: no **Raises:** section"
+
+
+# --- the pages --------------------------------------------------------------------
+
+
+def _page_code(name: str) -> list[str]:
+    text = (ROOT / "docs" / name).read_text()
+    return re.findall(r'```python exec="on"[^\n]*\n(.*?)```', text, flags=re.S)
+
+
+def test_getting_started_runs(capsys):
+    blocks = _page_code("getting_started.md")
+    assert len(blocks) >= 4
+    scope: dict = {}
+    with as_a_user():
+        for code in blocks:
+            exec(compile(code, "docs/getting_started.md", "exec"), scope)
+    out = capsys.readouterr().out
+    # What the page's text says about the numbers.
+    assert "parameters: 371" in out
+    assert scope["C"].shape == (371, 371)
+    assert 0 < scope["error"](scope["B"], scope["C"]) < 1
+    assert abs(scope["kfac"].trace() / scope["exact"].trace() - 1) < 0.1
+    assert scope["kfac_loss"] < scope["adam_loss"]
+
+
+def test_maths_is_served_from_the_site():
+    config = (ROOT / "mkdocs.yml").read_text()
+    assert "arithmatex" in config
+    scripts = re.findall(r"^  - (\S+\.(?:js|css))$", config, flags=re.M)
+    assert scripts, "no KaTeX assets in mkdocs.yml"
+    for s in scripts:
+        assert "://" not in s, f"{s}: loaded from outside the site"
+        assert (ROOT / "docs" / s).is_file(), s
+    assert list((ROOT / "docs" / "assets" / "katex" / "fonts").glob("*.woff2"))
+
+
+def test_one_kronecker_order():
+    # The code's order (blocks/kronecker.py): a K-FAC block is G ⊗ A on the
+    # row-major vec of the (out, in) weight matrix.
+    pages = [*(ROOT / "docs").glob("*.md"), ROOT / "README.md"]
+    for page in pages:
+        text = page.read_text()
+        for bad in ("A ⊗ G", r"A \otimes G", "A⊗G"):
+            assert bad not in text, f"{page.name}: {bad!r}; write G ⊗ A"
