@@ -3,11 +3,11 @@
 A small CNN (32x32 3-channel input; conv 3x3 3->32, conv 3x3 32->64 stride 2, conv
 3x3 64->64; global mean pool; dense head), batch 128. For each conv layer, the
 input factor A = mean ã ãᵀ is compiled two ways from the layer's recorded input:
-forming the whole patch matrix (examples·locations x C·k·k, `input_matrix`), and
+forming the whole patch matrix (examples·locations x C·k·k, `_patches`), and
 in chunks of examples (`_chunked_patches`, a `lax.scan` forming at most `--limit`
 patch elements at a time; eqfisher does this when a layer's patch matrix would
-exceed `MAX_PATCH_ELEMENTS` = 2**20). Printed per layer: the compiled program's
-temporary memory (XLA's `memory_analysis`), the median time of a call
+exceed `eqfisher.Config.max_patch_elements` = 2**20). Printed per layer: the
+compiled program's temporary memory (XLA's `memory_analysis`), the median time of a call
 (interleaved), and the largest difference between the two.
 
     python benchmarks/conv_patches.py [--repeats 20] [--batch 128] [--limit 2**20]
@@ -52,7 +52,7 @@ def loss_fn(model, batch):
 
 def explicit(record):
     def fn(x):
-        a = stats.input_matrix(record, x, False)
+        a = stats._patches(record, x)
         return a.T @ a / a.shape[0]
 
     return fn
@@ -82,7 +82,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--limit", type=int, default=2**20)
     args = parser.parse_args()
-    stats.MAX_PATCH_ELEMENTS = args.limit
+    # For the whole run: the setting is read when the statistics are traced.
+    ef.configure(max_patch_elements=args.limit).__enter__()
     model = CNN(jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (args.batch, 3, 32, 32))
     y = jax.random.randint(jax.random.key(2), (args.batch,), 0, 10)
