@@ -168,7 +168,7 @@ class _Piece(NamedTuple):
     """What flattening part of a jaxpr gives: the atoms of its outputs, its
     equations and the scan units it cut."""
 
-    outs: list[Atom]
+    outs: list[Atom | None]  # None for a dropped output
     nodes: tuple[Node, ...] = ()
     units: tuple[Unit, ...] = ()
 
