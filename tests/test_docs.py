@@ -277,6 +277,12 @@ def test_getting_started_runs(capsys):
     assert 0 < scope["error"](scope["B"], scope["C"]) < 1
     assert abs(scope["kfac"].trace() / scope["exact"].trace() - 1) < 0.1
     assert scope["kfac_loss"] < scope["adam_loss"]
+    # "The K-FAC step points much closer to the exact damped Newton step than the
+    # gradient does."
+    exact = scope["newton_exact"]
+    assert scope["cosine"](scope["newton_kfac"], exact) > scope["cosine"](
+        scope["grads"], exact
+    )
 
 
 def test_maths_is_served_from_the_site():
