@@ -274,7 +274,11 @@ def test_getting_started_runs(capsys):
     # What the page's text says about the numbers.
     assert "parameters: 371" in out
     assert scope["C"].shape == (371, 371)
-    assert 0 < scope["error"](scope["B"], scope["C"]) < 1
+    error = scope["error"]
+    # "Here the first is large and the second small."
+    assert error(scope["K"], scope["B"]) < 0.5 * error(scope["B"], scope["C"])
+    block = scope["kfac"].blocks["layers[0]"]
+    assert block.a.shape == (3, 3) and block.g.shape == (16, 16)
     assert abs(scope["kfac"].trace() / scope["exact"].trace() - 1) < 0.1
     assert scope["kfac_loss"] < scope["adam_loss"]
     # "The K-FAC step points much closer to the exact damped Newton step than the
