@@ -78,6 +78,13 @@ class GGN(AbstractEstimator):
 
     Uses a square-root factor of each Hₙ (one output vector per output coordinate),
     batched over coordinates.
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.Dense())
+        print(jnp.linalg.eigvalsh(curv.as_matrix()).min())  # ≥ 0 up to rounding: PSD
+        ```
     """
 
     needs_key = False
@@ -98,6 +105,17 @@ class FisherExact(AbstractEstimator):
 
     For the registered losses (negative log-likelihoods of exponential families in
     their natural parameters) it equals the GGN.
+
+    !!! Example
+
+        ```python
+        def dense(estimator):
+            return ef.curvature(
+                loss_fn, model, batch, estimator=estimator, structure=ef.Dense()
+            ).as_matrix()
+
+        print(jnp.abs(dense(ef.FisherExact()) - dense(ef.GGN())).max())  # ≈ 0
+        ```
     """
 
     needs_key = False
@@ -118,6 +136,15 @@ class FisherMC(AbstractEstimator):
     **Arguments:**
 
     - `samples`: how many targets to draw per example (at least 1).
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(
+            loss_fn, model, batch, estimator=ef.FisherMC(samples=4), structure=ef.KFAC(),
+            key=jax.random.key(1),  # needed: targets are sampled
+        )
+        ```
     """
 
     samples: int = eqx.field(static=True, default=1)
@@ -153,7 +180,18 @@ class FisherMC(AbstractEstimator):
 
 
 class EmpiricalFisher(AbstractEstimator):
-    """Σₙ wₙ ∇ℓₙ ∇ℓₙᵀ: outer products of per-example gradients at the data targets."""
+    """Σₙ wₙ ∇ℓₙ ∇ℓₙᵀ: outer products of per-example gradients at the data targets.
+
+    Not the Fisher: it uses the data's labels, not targets drawn from the model.
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(
+            loss_fn, model, batch, estimator=ef.EmpiricalFisher(), structure=ef.Diagonal()
+        )
+        ```
+    """
 
     needs_key = False
 

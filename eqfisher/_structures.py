@@ -241,6 +241,13 @@ class Dense(AbstractStructure):
 
     - `max_gib`: the largest matrix, in GiB, that `Dense()` builds (default 1); a
       larger one raises a `ValueError` giving its size.
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.Dense())
+        print(list(curv.blocks))  # ['all']: one block over all 67 parameters
+        ```
     """
 
     max_gib: float = eqx.field(static=True, default=1.0)
@@ -268,7 +275,17 @@ class Dense(AbstractStructure):
 
 
 class BlockDiagonal(AbstractStructure):
-    """A dense block per layer; leaves in no layer get their own dense block."""
+    """A dense block per layer; leaves in no layer get their own dense block.
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.BlockDiagonal()
+        )
+        print({name: b.as_matrix().shape for name, b in curv.blocks.items()})
+        ```
+    """
 
     def groups(self, candidates, model, caller):
         return candidates
@@ -281,7 +298,15 @@ class BlockDiagonal(AbstractStructure):
 
 
 class Diagonal(AbstractStructure):
-    """The exact diagonal of the curvature."""
+    """The exact diagonal of the curvature.
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.Diagonal())
+        diag = curv.diagonal()  # a PyTree like the parameters, e.g. EWC's weights
+        ```
+    """
 
     def groups(self, candidates, model, caller):
         return candidates
@@ -360,6 +385,14 @@ class KFAC(AbstractKroneckerStructure):
       is kept diagonal: its diagonal, stored as a vector, as kfac_jax does for
       large embeddings and output layers. Memory and solves are then linear in that
       factor's size.
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+        block = curv.blocks["layers[0]"]  # an eqfisher.blocks.KroneckerFactored
+        print(block.a.shape, block.g.shape)  # (5, 5) (8, 8): 4 inputs and a bias, 8 outputs
+        ```
     """
 
     weight_sharing: WeightSharing = eqx.field(static=True, default="expand")
@@ -390,6 +423,13 @@ class EKFAC(AbstractKroneckerStructure):
     **Arguments:**
 
     - `weight_sharing`: the K-FAC variant whose eigenbases are used (see `KFAC`).
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.EKFAC())
+        step = curv.solve(grads, 1e-3)
+        ```
     """
 
     weight_sharing: WeightSharing = eqx.field(static=True, default="expand")
