@@ -343,7 +343,8 @@ def kfac(
     ]
     if weight_decay:
         parts.append(optax.add_decayed_weights(weight_decay))
-    if momentum:
+    if not (isinstance(momentum, (int, float)) and momentum == 0):
+        # An array momentum (e.g. one swept under `vmap`) always gets the trace.
         parts.append(optax.trace(decay=momentum))
     parts.append(optax.scale_by_learning_rate(learning_rate))
     return optax.chain(*parts)
@@ -429,27 +430,34 @@ def kfac_step(
     @eqx.filter_jit
     def step(model, opt_state, batch, key=None):
         params = eqx.filter(model, eqx.is_inexact_array)
+        if curvature_update_period == 1 and curvature_batch_size is None:
+            # One shared forward for the loss, the gradient and the statistics.
+            loss, grads, curv = vgc(model, batch, key=key)
+            updates, opt_state = optimiser.update(
+                grads, opt_state, params, curvature=curv
+            )
+            return eqx.apply_updates(model, updates), opt_state, loss
+        # The gradient is computed outside `lax.cond`: XLA:CPU runs convolutions
+        # inside control flow far slower than outside (jax-ml/jax#12868).
+        loss, grads = value_and_grad(model, batch)
+        sub = (
+            batch
+            if curvature_batch_size is None
+            else jax.tree_util.tree_map(lambda x: x[:curvature_batch_size], batch)
+        )
 
         def with_curvature():
-            if curvature_batch_size is None:
-                loss, grads, curv = vgc(model, batch, key=key)
-            else:
-                loss, grads = value_and_grad(model, batch)
-                sub = jax.tree_util.tree_map(lambda x: x[:curvature_batch_size], batch)
-                _, _, curv = vgc(model, sub, key=key)
-            updates, new = optimiser.update(grads, opt_state, params, curvature=curv)
-            return loss, updates, new
+            _, _, curv = vgc(model, sub, key=key)
+            return optimiser.update(grads, opt_state, params, curvature=curv)
 
         def without_curvature():
-            loss, grads = value_and_grad(model, batch)
-            updates, new = optimiser.update(grads, opt_state, params)
-            return loss, updates, new
+            return optimiser.update(grads, opt_state, params)
 
         if curvature_update_period == 1:
-            loss, updates, opt_state = with_curvature()
+            updates, opt_state = with_curvature()
         else:
             count = find_kfac_state(opt_state).count
-            loss, updates, opt_state = jax.lax.cond(
+            updates, opt_state = jax.lax.cond(
                 count % curvature_update_period == 0,
                 with_curvature,
                 without_curvature,
