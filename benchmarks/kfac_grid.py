@@ -105,7 +105,7 @@ def main():
     parser.add_argument(
         "--small",
         action="store_true",
-        help="damping 1e-3, norm constraint 1e-3/1e-2, momentum 0, periods 1 and 2",
+        help="damping 1e-3, norm constraint 1e-3/1e-2, momentum 0, periods 1, 2, 4",
     )
     args = parser.parse_args()
     print(
@@ -116,7 +116,7 @@ def main():
         if args.small
         else (DAMPINGS, CONSTRAINTS, MOMENTA)
     )
-    static = ((1, 5), (2, 5)) if args.small else STATIC
+    static = ((1, 5), (2, 5), (4, 5)) if args.small else STATIC
     configs = list(itertools.product(KFAC_LRS, *grid))
     # (period, inverse_every, damping, constraint, momentum) -> per problem
     table: dict = {}
