@@ -17,16 +17,15 @@ seconds of the training steps to the target (compilation excluded, reported apar
 A run is non-finite when the loss or a parameter becomes NaN/inf.
 
     python benchmarks/kfac_defaults.py                   # the comparison
-    python benchmarks/kfac_defaults.py --grid            # the defaults grid
     OPENBLAS_NUM_THREADS=1 python benchmarks/kfac_defaults.py
+    python benchmarks/kfac_defaults.py --per-step        # ms per step (min of 3 × 40)
 
-`--grid` sweeps damping × norm constraint × momentum × inverse_every for K-FAC only
-(over all learning rates and problems) and prints, per configuration, the non-finite
-runs and the best steps to the target per problem: how the defaults were chosen.
+The defaults themselves were chosen by `benchmarks/kfac_grid.py` (every configuration
+of damping, norm constraint, momentum, inverse_every and curvature_update_period on
+these problems, steps to the target and non-finite runs).
 """
 
 import argparse
-import itertools
 import os
 import platform
 import time
@@ -276,38 +275,48 @@ def compare(max_steps, seed, problems, options):
     print(f"\nproblems meeting the goal (≤0.5× steps, ≤0.8× s, 0 non-finite): {wins}/5")
 
 
-def grid(max_steps, seed, problems):
-    configs = list(
-        itertools.product(
-            (1e-3, 1e-2, 1e-1),  # damping
-            (None, 1e-2, 1e-1, 1.0),  # norm_constraint
-            (0.0,),  # momentum (0.9 diverged or was slower in the issue's runs)
-        )
-    )
-    print(f"load average {os.getloadavg()[0]:.1f}")
+def per_step(problems, periods=(1, 2, 4)):
+    """Steady-state milliseconds per training step: Adam, and K-FAC at each period."""
     print(
-        "| damping | norm_constraint | momentum | non-finite | best steps per problem |"
+        "| problem | Adam ms | "
+        + " | ".join(f"K-FAC ms (period {k})" for k in periods)
+        + " |"
     )
-    print("|---|---|---|---|---|")
-    for damping, constraint, momentum in configs:
-        options = dict(damping=damping, norm_constraint=constraint, momentum=momentum)
-        nonfinite, steps = 0, []
-        for name in problems:
-            rows, _ = run(name, "kfac", GRID_LRS, options, max_steps, seed, False)
-            nonfinite += sum(r[3] for r in rows)
-            reached = [r[1] for r in rows if r[1] is not None]
-            steps.append(min(reached) if reached else None)
-        print(
-            f"| {damping:g} | {constraint} | {momentum:g} | {nonfinite} | "
-            + ", ".join("-" if s is None else str(s) for s in steps)
-            + " |",
-            flush=True,
+    print("|---|---|" + "---|" * len(periods))
+    for name in problems:
+        model, x, y, loss_fn, _ = problem(name, jax.random.key(0))
+        params = eqx.filter(model, eqx.is_inexact_array)
+        n = x.shape[0]
+        rng = np.random.default_rng(0)
+        idx = jnp.asarray(
+            np.stack([rng.choice(n, min(256, n), replace=False) for _ in range(40)])
         )
+        keys = jax.random.split(jax.random.key(1), 40)
+        lr = jnp.asarray(0.01, jnp.float32)
+        sample = (x[idx[0]], y[idx[0]])
+        cells = []
+        for kind, period in [("adam", None)] + [("kfac", k) for k in periods]:
+            options = {} if period is None else {"curvature_update_period": period}
+            state, step = make_steps(
+                kind, model, x, y, loss_fn, sample, keys[0], options
+            )
+            p = params
+            for i in range(12):  # compile and warm up
+                p, state = step(p, state, idx[i], keys[i], lr)
+            jax.block_until_ready(p)
+            best_ms = np.inf
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for i in range(40):
+                    p, state = step(p, state, idx[i], keys[i], lr)
+                jax.block_until_ready(p)
+                best_ms = min(best_ms, (time.perf_counter() - t0) / 40 * 1e3)
+            cells.append(f"{best_ms:.2f}")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--grid", action="store_true", help="the defaults grid")
     parser.add_argument("--max-steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--problems", nargs="*", default=PROBLEMS)
@@ -317,13 +326,16 @@ def main():
         default=None,
         help="kfac_step's (default: its default)",
     )
+    parser.add_argument(
+        "--per-step", action="store_true", help="milliseconds per step only"
+    )
     args = parser.parse_args()
-    if args.grid:
-        grid(args.max_steps, args.seed, args.problems)
-    else:
-        period = args.curvature_update_period
-        options = {} if period is None else {"curvature_update_period": period}
-        compare(args.max_steps, args.seed, args.problems, options)
+    if args.per_step:
+        per_step(args.problems)
+        return
+    period = args.curvature_update_period
+    options = {} if period is None else {"curvature_update_period": period}
+    compare(args.max_steps, args.seed, args.problems, options)
 
 
 if __name__ == "__main__":

@@ -38,13 +38,16 @@ step count (an integer array, counting updates from 0) to a scalar, such as
 `optax.warmup_cosine_decay_schedule(0.0, 0.3, 10, 1000)`. The learning rate is
 evaluated at every update; the damping when the cached inverse is refreshed."""
 
-# Defaults chosen from the grid in benchmarks/kfac_defaults.py (benchmarks/RESULTS.md,
-# "K-FAC defaults"): no learning rate in 1e-3…1 gives a non-finite run on the five
-# problems there.
+# Defaults chosen from the grid of benchmarks/kfac_grid.py (benchmarks/RESULTS.md,
+# "The defaults grid"): no configuration of it gives a non-finite run at any learning
+# rate in 1e-3…1 on its five problems; damping 1e-3 with norm constraint 1e-2 and no
+# momentum needs the fewest steps, and statistics every 4th step the fewest seconds
+# (steps × measured seconds per step).
 DAMPING = 1e-3
 MOMENTUM = 0.0
 NORM_CONSTRAINT = 1e-2
 INVERSE_EVERY = 5
+CURVATURE_UPDATE_PERIOD = 4
 PI_DAMPING = FactoredTikhonov()
 
 
@@ -386,7 +389,8 @@ def kfac(
     ]
     if weight_decay:
         parts.append(optax.add_decayed_weights(weight_decay))
-    if momentum:
+    if not (isinstance(momentum, (int, float)) and momentum == 0):
+        # An array momentum (e.g. one swept under `vmap`) always gets the trace.
         parts.append(optax.trace(decay=momentum))
     parts.append(optax.scale_by_learning_rate(learning_rate))
     return optax.chain(*parts)
@@ -434,7 +438,7 @@ def kfac_step(
     *,
     estimator: AbstractEstimator,
     structure: AbstractStructure,
-    curvature_update_period: int = 1,
+    curvature_update_period: int = CURVATURE_UPDATE_PERIOD,
     curvature_batch_size: int | None = None,
 ) -> Callable:
     """One jitted training step: gradient, curvature when due, optimiser update.
@@ -452,6 +456,10 @@ def kfac_step(
       from the same `loss_fn`, `estimator` and `structure`.
     - `estimator`, `structure`: as for `eqfisher.value_grad_and_curvature`.
     - `curvature_update_period`: k ≥ 1: curvature statistics at steps 0, k, 2k, ...
+      (default 4, from the benchmark grid: about the steps to a target of k = 1
+      on four of its five problems, at half the seconds per step). On CPU, a
+      convolutional model may prefer 1: XLA:CPU runs convolutions inside `lax.cond`
+      far slower (jax-ml/jax#12868).
     - `curvature_batch_size`: `None` (the whole batch), or n: the statistics come
       from the first n examples of every leaf of `batch` (leading axis), the
       gradient from the whole batch (one extra forward and backward on n
@@ -492,27 +500,34 @@ def kfac_step(
     @eqx.filter_jit
     def step(model, opt_state, batch, key=None):
         params = eqx.filter(model, eqx.is_inexact_array)
+        if curvature_update_period == 1 and curvature_batch_size is None:
+            # One shared forward for the loss, the gradient and the statistics.
+            loss, grads, curv = vgc(model, batch, key=key)
+            updates, opt_state = optimiser.update(
+                grads, opt_state, params, curvature=curv
+            )
+            return eqx.apply_updates(model, updates), opt_state, loss
+        # The gradient is computed outside `lax.cond`: XLA:CPU runs convolutions
+        # inside control flow far slower than outside (jax-ml/jax#12868).
+        loss, grads = value_and_grad(model, batch)
+        sub = (
+            batch
+            if curvature_batch_size is None
+            else jax.tree_util.tree_map(lambda x: x[:curvature_batch_size], batch)
+        )
 
         def with_curvature():
-            if curvature_batch_size is None:
-                loss, grads, curv = vgc(model, batch, key=key)
-            else:
-                loss, grads = value_and_grad(model, batch)
-                sub = jax.tree_util.tree_map(lambda x: x[:curvature_batch_size], batch)
-                _, _, curv = vgc(model, sub, key=key)
-            updates, new = optimiser.update(grads, opt_state, params, curvature=curv)
-            return loss, updates, new
+            _, _, curv = vgc(model, sub, key=key)
+            return optimiser.update(grads, opt_state, params, curvature=curv)
 
         def without_curvature():
-            loss, grads = value_and_grad(model, batch)
-            updates, new = optimiser.update(grads, opt_state, params)
-            return loss, updates, new
+            return optimiser.update(grads, opt_state, params)
 
         if curvature_update_period == 1:
-            loss, updates, opt_state = with_curvature()
+            updates, opt_state = with_curvature()
         else:
             count = find_kfac_state(opt_state).count
-            loss, updates, opt_state = jax.lax.cond(
+            updates, opt_state = jax.lax.cond(
                 count % curvature_update_period == 0,
                 with_curvature,
                 without_curvature,

@@ -1,0 +1,153 @@
+"""The K-FAC defaults grid: steps to the target and non-finite runs, all runs at once.
+
+Every configuration of a problem trains in one compiled program: a `lax.scan` over
+the steps (the K-FAC state has one PyTree structure from `init` on) inside a `vmap`
+over learning rate × damping × norm constraint × momentum, on the minibatch
+sequence of `kfac_defaults.py`. `curvature_update_period` and `inverse_every` are
+static, one compilation each. No timing here: seconds per step are measured by
+`kfac_defaults.py --per-step`; steps × seconds per step choose the defaults.
+
+    python benchmarks/kfac_grid.py                      # the grid (all five problems)
+    python benchmarks/kfac_grid.py --problems cnn --max-steps 60
+"""
+
+import argparse
+import itertools
+import os
+import platform
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from kfac_defaults import KFAC_LRS, PROBLEMS, problem
+
+import eqfisher as ef
+
+
+DAMPINGS = (1e-3, 1e-2, 1e-1)
+CONSTRAINTS = (1e-3, 1e-2, 1e-1)
+MOMENTA = (0.0, 0.9)
+STATIC = ((1, 5), (1, 20), (2, 5), (4, 5))  # (curvature_update_period, inverse_every)
+MAX_STEPS = {"autoencoder": 200}
+
+
+def trajectories(name, period, inverse_every, configs, max_steps, seed):
+    """Full-data loss after each step (NaN once non-finite), per configuration."""
+    key = jax.random.key(seed)
+    model, x, y, loss_fn, target = problem(name, key)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    n = x.shape[0]
+    batch = min(256, n)
+    rng = np.random.default_rng(seed)
+    indices = jnp.asarray(
+        np.stack([rng.choice(n, batch, replace=False) for _ in range(max_steps)])
+    )
+    keys = jax.random.split(jax.random.key(seed + 1), max_steps)
+    estimator, structure = ef.FisherMC(samples=1), ef.KFAC()
+    vgc = ef.value_grad_and_curvature(loss_fn, estimator=estimator, structure=structure)
+    like = ef.optim.curvature_like(vgc, model, (x[indices[0]], y[indices[0]]), key=key)
+
+    def run(lr, damping, constraint, momentum):
+        opt = ef.optim.kfac(
+            lr,
+            like=like,
+            damping=damping,
+            norm_constraint=constraint,
+            momentum=momentum,
+            inverse_every=inverse_every,
+        )
+        step = ef.optim.kfac_step(
+            loss_fn,
+            opt,
+            estimator=estimator,
+            structure=structure,
+            curvature_update_period=period,
+        )
+
+        def body(carry, inputs):
+            p, state = carry
+            idx, k = inputs
+            m, state, _ = step(eqx.combine(p, static), state, (x[idx], y[idx]), k)
+            p = eqx.filter(m, eqx.is_inexact_array)
+            loss = loss_fn(m, (x, y))
+            finite = jnp.isfinite(loss) & jnp.all(
+                jnp.stack([jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(p)])
+            )
+            return (p, state), jnp.where(finite, loss, jnp.nan)
+
+        _, losses = jax.lax.scan(body, (params, opt.init(params)), (indices, keys))
+        return losses
+
+    columns = [jnp.asarray(c, jnp.float32) for c in zip(*configs)]
+    losses = jax.jit(jax.vmap(run))(*columns)
+    first = float(loss_fn(model, (x, y)))
+    return np.asarray(losses), target, first
+
+
+def outcome(losses, target, first):
+    """(steps to target or None, non-finite?) for one trajectory, as kfac_defaults."""
+    for i, loss in enumerate(losses):
+        if not np.isfinite(loss):
+            return None, True
+        if loss <= target:
+            return i + 1, False
+        if loss > 100 * first:
+            return None, False
+    return None, False
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--problems", nargs="*", default=PROBLEMS)
+    parser.add_argument("--max-steps", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help="damping 1e-3, norm constraint 1e-3/1e-2, momentum 0, periods 1, 2, 4",
+    )
+    args = parser.parse_args()
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}"
+    )
+    grid = (
+        ((1e-3,), (1e-3, 1e-2), (0.0,))
+        if args.small
+        else (DAMPINGS, CONSTRAINTS, MOMENTA)
+    )
+    static = ((1, 5), (2, 5), (4, 5)) if args.small else STATIC
+    configs = list(itertools.product(KFAC_LRS, *grid))
+    # (period, inverse_every, damping, constraint, momentum) -> per problem
+    table: dict = {}
+    for name in args.problems:
+        for period, every in static:
+            max_steps = MAX_STEPS.get(name, args.max_steps)
+            losses, target, first = trajectories(
+                name, period, every, configs, max_steps, args.seed
+            )
+            for (lr, *rest), traj in zip(configs, losses):
+                reached, nonfinite = outcome(traj, target, first)
+                cell = table.setdefault((period, every, *rest), {}).setdefault(name, [])
+                cell.append((lr, reached, nonfinite))
+            print(f"  done {name} period={period} inverse_every={every}", flush=True)
+    print(
+        "\n| period | inverse_every | damping | norm_constraint | momentum | "
+        "non-finite | best steps (lr) per problem |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for key, per_problem in table.items():
+        nonfinite = sum(nf for rows in per_problem.values() for _, _, nf in rows)
+        cells = []
+        for name in args.problems:
+            ok = [(r, lr) for lr, r, _ in per_problem[name] if r is not None]
+            cells.append(f"{min(ok)[0]} ({min(ok)[1]:g})" if ok else "-")
+        period, every, damping, constraint, momentum = key
+        print(
+            f"| {period} | {every} | {damping:g} | {constraint:g} | {momentum:g} | "
+            f"{nonfinite} | " + ", ".join(cells) + " |"
+        )
+
+
+if __name__ == "__main__":
+    main()
