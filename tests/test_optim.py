@@ -1,3 +1,5 @@
+import functools as ft
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -10,6 +12,9 @@ import eqfisher as ef
 from eqfisher import optim
 
 
+# The problem, its curvature template, the optimisers and their compiled steps are
+# built once and shared: tests that use the same configuration reuse one compilation.
+@ft.cache
 def _problem():
     key = jax.random.key(0)
     model = eqx.nn.MLP(3, 2, 8, 1, activation=jnp.tanh, key=key)
@@ -27,11 +32,19 @@ def loss_fn(model, batch):
 VGC = ef.value_grad_and_curvature(loss_fn, estimator=ef.GGN(), structure=ef.KFAC())
 
 
+@ft.cache
 def _like():
     model, batch = _problem()
     return optim.curvature_like(VGC, model, batch)
 
 
+@ft.cache
+def _kfac(learning_rate, **kwargs):
+    """`optim.kfac` with the shared template, one object per configuration."""
+    return optim.kfac(learning_rate, like=_like(), **kwargs)
+
+
+@ft.cache
 def _step(opt):
     @eqx.filter_jit
     def step(model, state, batch):
@@ -334,6 +347,7 @@ def _leaves_equal(a, b):
     )
 
 
+@ft.cache
 def _kfac_train_step(opt):
     @eqx.filter_jit
     def step(params, state, batch):
@@ -351,16 +365,16 @@ STATIC = eqx.partition(_problem()[0], eqx.is_inexact_array)[1]
 @pytest.mark.parametrize(
     "make",
     [
-        lambda like: optim.kfac(0.1, like=like),
-        lambda like: optim.kfac(0.1, like=like, momentum=0.9, weight_decay=1e-3),
-        lambda like: optim.kfac_preconditioner(
-            like=like, damping_variant=optim.Tikhonov()
+        lambda: _kfac(0.1),
+        lambda: _kfac(0.1, momentum=0.9, weight_decay=1e-3),
+        lambda: optim.kfac_preconditioner(
+            like=_like(), damping_variant=optim.Tikhonov()
         ),
     ],
 )
 def test_state_structure_is_fixed_from_init(make):
     model, batch = _problem()
-    opt = make(_like())
+    opt = make()
     params = eqx.filter(model, eqx.is_inexact_array)
     state0 = opt.init(params)
     step = _kfac_train_step(opt)
@@ -401,7 +415,7 @@ def test_scan_of_five_steps_equals_the_python_loop_and_compiles_once():
 
 def test_trained_state_loads_into_a_fresh_init(tmp_path):
     model, batch = _problem()
-    opt = optim.kfac(0.1, like=_like(), momentum=0.9)
+    opt = _kfac(0.1, momentum=0.9, weight_decay=1e-3)
     params = eqx.filter(model, eqx.is_inexact_array)
     step = _kfac_train_step(opt)
     state = opt.init(params)
@@ -462,7 +476,8 @@ def test_pi_damped_inverse_of_a_zero_block_is_finite():
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_nonfinite_guard_keeps_parameters_finite_on_a_nan_batch(momentum):
     model, batch = _problem()
-    opt = optim.kfac(0.3, like=_like(), momentum=momentum)
+    # The configurations of test_state_structure_is_fixed_from_init (shared steps).
+    opt = _kfac(0.1) if momentum == 0 else _kfac(0.1, momentum=0.9, weight_decay=1e-3)
     params = eqx.filter(model, eqx.is_inexact_array)
     step = _kfac_train_step(opt)
     state = opt.init(params)
@@ -514,8 +529,14 @@ def test_amortised_steps_reuse_the_cached_inverse():
 
 def test_kfac_step_equals_the_hand_written_step():
     model, batch = _problem()
-    opt = optim.kfac(0.1, like=_like())
-    step = optim.kfac_step(loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC())
+    opt = _kfac(0.1)
+    step = optim.kfac_step(
+        loss_fn,
+        opt,
+        estimator=ef.GGN(),
+        structure=ef.KFAC(),
+        curvature_update_period=1,
+    )
     params = eqx.filter(model, eqx.is_inexact_array)
     by_hand = _kfac_train_step(opt)
     state = opt.init(params)
@@ -565,3 +586,16 @@ def test_bad_curvature_update_period(period):
             structure=ef.KFAC(),
             curvature_update_period=period,
         )
+
+
+def test_default_period_gives_statistics_every_fourth_step():
+    model, batch = _problem()
+    opt = _kfac(0.1)
+    step = optim.kfac_step(loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC())
+    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    counts = []
+    for _ in range(5):
+        model, state, _ = step(model, state, batch)
+        counts.append(int(optim.find_kfac_state(state).curvature_count))
+    assert optim.CURVATURE_UPDATE_PERIOD == 4
+    assert counts == [1, 1, 1, 1, 2]
