@@ -7,6 +7,7 @@ accuracy as curvatures is tested elsewhere: here what is checked is the posterio
 built on them.
 """
 
+import functools as ft
 import math
 
 import equinox as eqx
@@ -109,7 +110,11 @@ def cast(tree, dtype):
     )
 
 
-def build(structure_name, where, regression, per_block=False, dtype=jnp.float64):
+# The fit and its reference matrix are computed once per case and shared by the tests
+# (and the per-block variants) that use it; every object here is immutable.
+@ft.cache
+def fitted(structure_name, where, regression, dtype=jnp.float64):
+    """`(lap, model, batch, loss_fn, sel, c)` with the scalar prior precision 0.3."""
     model = cast(make_model(), dtype)
     batch = cast(make_data(regression), dtype)
     loss_fn = mse_loss if regression else ce_loss
@@ -124,13 +129,21 @@ def build(structure_name, where, regression, per_block=False, dtype=jnp.float64)
         prior_precision=0.3,
         **kwargs,
     )
+    sel = selected_mask(model, where)
+    c = reference_curvature(lap, model, batch, regression, structure_name, sel)
+    c.flags.writeable = False
+    return lap, model, batch, loss_fn, sel, c
+
+
+def build(structure_name, where, regression, per_block=False, dtype=jnp.float64):
+    lap, model, batch, loss_fn, sel, c = fitted(
+        structure_name, where, regression, dtype
+    )
     if per_block:
         names = sorted(lap.curvature.blocks)
         lap = lap.replace(
             prior_precision={n: 0.2 + 0.5 * i for i, n in enumerate(names)}
         )
-    sel = selected_mask(model, where)
-    c = reference_curvature(lap, model, batch, regression, structure_name, sel)
     sigma2t = 0.7**2 * 0.9 if regression else 1.0
     precision = N / sigma2t * c + np.diag(np.asarray(prior_vector(lap)))
     return lap, model, batch, loss_fn, sel, precision
@@ -196,7 +209,7 @@ def test_marginal_likelihood_gradient(structure_name):
     differentiated by JAX (the dense formula uses no eqfisher code but C)."""
     lap, model, batch, loss_fn, sel, _ = build(structure_name, None, True, True)
     names = sorted(lap.curvature.blocks)
-    c = reference_curvature(lap, model, batch, True, structure_name, sel)
+    c = fitted(structure_name, None, True)[5]  # the reference `build` used
     theta = ravel_pytree(eqx.filter(model, eqx.is_inexact_array))[0][sel]
     mean_loss = loss_fn(model, batch)
 
