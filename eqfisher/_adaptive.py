@@ -33,7 +33,12 @@ class QuadraticModel:
     def gram(self, vectors: list[PyTree]) -> Float[Array, "k k"]:
         """vᵢᵀ G vⱼ for the exact GGN G, from one GGN product per vector."""
         products = [self._ggn.mv(v) for v in vectors]
-        return jnp.stack([jnp.stack([_dot(u, gv) for gv in products]) for u in vectors])
+        return jnp.stack(
+            [
+                jnp.stack([optax.tree_utils.tree_vdot(u, gv) for gv in products])
+                for u in vectors
+            ]
+        )
 
     def loss(self, params: PyTree) -> Float[Array, ""]:
         """`loss_fn` on the batch, at other parameters."""
@@ -52,10 +57,6 @@ class AdaptiveState(NamedTuple):
     previous: PyTree
     count: Int[Array, ""]
     rho: Float[Array, ""]
-
-
-def _dot(u: PyTree, v: PyTree) -> Array:
-    return sum(jnp.sum(a * b) for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(v)))
 
 
 def adaptive_steps(
@@ -98,11 +99,22 @@ def adaptive_steps(
         gram = quadratic.gram([delta, prev])
         gram = gram + lam * jnp.array(
             [
-                [_dot(delta, delta), _dot(delta, prev)],
-                [_dot(prev, delta), _dot(prev, prev)],
+                [
+                    optax.tree_utils.tree_vdot(delta, delta),
+                    optax.tree_utils.tree_vdot(delta, prev),
+                ],
+                [
+                    optax.tree_utils.tree_vdot(prev, delta),
+                    optax.tree_utils.tree_vdot(prev, prev),
+                ],
             ]
         ).astype(gram.dtype)
-        b = jnp.stack([_dot(grads, delta), _dot(grads, prev)]).astype(gram.dtype)
+        b = jnp.stack(
+            [
+                optax.tree_utils.tree_vdot(grads, delta),
+                optax.tree_utils.tree_vdot(grads, prev),
+            ]
+        ).astype(gram.dtype)
         first = state.count == 0
         # First step: no previous update, so only α (μ = 0).
         alpha_only = -b[0] / gram[0, 0]

@@ -19,6 +19,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
+import optax
 from jaxtyping import Array, Float, PyTree, ScalarLike
 
 from . import filters
@@ -141,13 +142,6 @@ def _gradient_fn(loss_fn: Callable, model: PyTree, where) -> Callable:
     return grad
 
 
-def _dot(a: PyTree, b: PyTree) -> Float[Array, ""]:
-    return sum(
-        jnp.vdot(x, y)
-        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
-    )
-
-
 def _low_rank(x: Array, rank: int | None):
     """A matrix leaf as rank-`rank` factors `(U·S, V)` (truncated SVD); others kept."""
     if rank is None or x.ndim != 2:
@@ -266,6 +260,6 @@ def self_influence(
 
     def one(example):
         g = grad(example)
-        return _dot(g, inverse.solve(g))
+        return optax.tree_utils.tree_vdot(g, inverse.solve(g))
 
     return jax.lax.map(one, train, batch_size=chunk_size)
