@@ -14,7 +14,7 @@ from jaxtyping import Array, Float
 
 from .blocks import (
     AbstractBlock,
-    Diagonal,
+    DiagonalBlock,
     EigenKroneckerFactored,
     Full,
     KroneckerFactored,
@@ -79,9 +79,9 @@ def _(block: EigenKroneckerFactored, damping):
 
 
 @tikhonov_inverse.register
-def _(block: Diagonal, damping):
+def _(block: DiagonalBlock, damping):
     damping = jnp.asarray(damping).astype(block.diag[0].dtype)
-    return Diagonal(tuple((1 / (jnp.maximum(d, 0) + damping)) for d in block.diag))
+    return DiagonalBlock(tuple((1 / (jnp.maximum(d, 0) + damping)) for d in block.diag))
 
 
 @tikhonov_inverse.register

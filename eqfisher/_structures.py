@@ -4,9 +4,9 @@
 |---|---|---|---|
 | `Dense()` | one `Full` block over every selected parameter | same | same |
 | `BlockDiagonal()` | `Full` block per layer | `Full` | `Full` per leaf |
-| `Diagonal()` | `Diagonal` (exact diagonal) | `Diagonal` | `Diagonal` |
-| `KFAC()` | `KroneckerFactored` | `Diagonal` (exact) | `Diagonal` (exact) |
-| `EKFAC()` | `EigenKroneckerFactored` | `Diagonal` (exact) | `Diagonal` (exact) |
+| `Diagonal()` | `DiagonalBlock` (exact diagonal) | `DiagonalBlock` | `DiagonalBlock` |
+| `KFAC()` | `KroneckerFactored` | `DiagonalBlock` (exact) | `DiagonalBlock` (exact) |
+| `EKFAC()` | `EigenKroneckerFactored` | `DiagonalBlock` (exact) | `DiagonalBlock` (exact) |
 | `PerLayer(...)` | the structure whose filter selects the layer | same | same |
 
 A structure carries its behaviour as three methods, called in this order by
@@ -31,7 +31,7 @@ from . import filters
 from ._layers import LayerInfo, LayerRecord
 from .blocks import (
     AbstractBlock,
-    Diagonal as DiagonalBlock,
+    DiagonalBlock,
     EigenKroneckerFactored,
     Full,
     KroneckerFactored,
@@ -463,7 +463,7 @@ class PerLayer(AbstractStructure):
     )
     curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=structure)
     assert isinstance(curv.blocks["layers[0]"], ef.blocks.KroneckerFactored)
-    assert isinstance(curv.blocks["layers[1]"], ef.blocks.Diagonal)
+    assert isinstance(curv.blocks["layers[1]"], ef.blocks.DiagonalBlock)
     ```
 
     Each layer (and each leaf in no layer) takes the structure of the first part

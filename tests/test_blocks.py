@@ -7,7 +7,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 from eqfisher.blocks import (
-    Diagonal,
+    DiagonalBlock,
     EigenKroneckerFactored,
     Full,
     KroneckerFactored,
@@ -70,7 +70,7 @@ def make(kind, layout, seed=0, dtype=np.float64):
     if kind == "diagonal":
         diag = rng.uniform(0.1, 2.0, size).astype(dtype)
         leaves = ravel_pytree(tuple(jnp.zeros(s.shape, dtype) for s in structure))[1]
-        return Diagonal(leaves(jnp.asarray(diag))), np.diag(diag)
+        return DiagonalBlock(leaves(jnp.asarray(diag))), np.diag(diag)
     layout_kw = dict(weight_perm=perm, structure=structure)
     if kind == "kfac":
         a, g = spd(rng, d_in, dtype), spd(rng, d_out, dtype)
@@ -302,7 +302,7 @@ BAD_CONSTRUCTION = {
         structure=structure_of("linear"),
     ),
     "`matrix`": lambda r: Full(spd(r, 14), structure_of("linear")),
-    "`diag`": lambda r: Diagonal((np.ones(2), np.ones(2, np.float32))),
+    "`diag`": lambda r: DiagonalBlock((np.ones(2), np.ones(2, np.float32))),
 }
 
 

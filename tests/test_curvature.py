@@ -287,7 +287,7 @@ def test_block_names_and_types():
     assert list(dense.blocks) == ["all"]
     assert isinstance(dense.blocks["all"], ef.blocks.Full)
     diag = curv_for("softmax_ce", ef.GGN(), ef.Diagonal())
-    assert all(isinstance(b, ef.blocks.Diagonal) for b in diag.blocks.values())
+    assert all(isinstance(b, ef.blocks.DiagonalBlock) for b in diag.blocks.values())
     ekfac = curv_for("softmax_ce", ef.GGN(), ef.EKFAC())
     assert all(
         isinstance(b, ef.blocks.EigenKroneckerFactored) for b in ekfac.blocks.values()
@@ -739,7 +739,7 @@ def test_unmatched_scalar_gets_exact_diagonal_block():
     batch = batch_for("softmax_ce")
     curv = _curvature(LOSS_FNS["softmax_ce"], model, batch, ef.GGN(), ef.KFAC())
     block = curv.blocks["temperature"]
-    assert isinstance(block, ef.blocks.Diagonal)
+    assert isinstance(block, ef.blocks.DiagonalBlock)
     assert isinstance(curv.blocks["linear"], ef.blocks.KroneckerFactored)
     ggn = np.asarray(ggn_of(model, batch, "softmax_ce"))
     t = block_slices(model)[2].start

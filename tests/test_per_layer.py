@@ -62,7 +62,7 @@ CASES = {
     "kfac_part_diagonal_default": (
         ef.PerLayer((by_path("layers[1].*"), ef.KFAC()), default=ef.Diagonal()),
         [((0,), "diagonal"), ((1,), "kfac"), ((2,), "diagonal")],
-        {"layers[2]": ef.blocks.Diagonal},
+        {"layers[2]": ef.blocks.DiagonalBlock},
     ),
 }
 

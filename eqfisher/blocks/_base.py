@@ -172,7 +172,7 @@ def register_psd_operator(cls: type) -> type:
     whose `diagonal()` method returns the diagonal as a PyTree like the operand.
 
     Used for `AbstractBlock` (dispatch follows the MRO, so every block is covered;
-    `Diagonal` overrides the structural tags in its own file) and for `Curvature`.
+    `DiagonalBlock` overrides the structural tags in its own file) and for `Curvature`.
     """
     for query in (lx.is_symmetric, lx.is_positive_semidefinite):
         query.register(cls)(lambda operator: True)

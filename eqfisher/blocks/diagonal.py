@@ -15,7 +15,7 @@ from ._base import (
 )
 
 
-class Diagonal(AbstractBlock):
+class DiagonalBlock(AbstractBlock):
     """A diagonal curvature block.
 
     **Fields:**
@@ -37,16 +37,18 @@ class Diagonal(AbstractBlock):
 
     def __check_init__(self):
         if len(self.diag) == 0:
-            raise ValueError("`Diagonal(diag)`: `diag` must have at least one leaf.")
+            raise ValueError(
+                "`DiagonalBlock(diag)`: `diag` must have at least one leaf."
+            )
         dtypes = {x.dtype for x in self.diag}
         if len(dtypes) != 1:
             raise ValueError(
-                f"`Diagonal(diag)`: the leaves of `diag` must share one dtype, got "
+                f"`DiagonalBlock(diag)`: the leaves of `diag` must share one dtype, got "
                 f"{sorted(str(d) for d in dtypes)}."
             )
 
     def mv(self, vector: Operand) -> Operand:
-        check_operand(vector, self.in_structure(), "Diagonal.mv")
+        check_operand(vector, self.in_structure(), "DiagonalBlock.mv")
         # Computed in the diagonal's dtype, returned in the operand's (bfloat16 models).
         return tuple(
             (d * x.astype(d.dtype)).astype(x.dtype)
@@ -60,7 +62,7 @@ class Diagonal(AbstractBlock):
         return normalise_structure(self.diag)
 
     def solve(self, vector: Operand, damping: ScalarLike) -> Operand:
-        check_operand(vector, self.in_structure(), "Diagonal.solve")
+        check_operand(vector, self.in_structure(), "DiagonalBlock.solve")
         damping = check_damping(damping, self.diag[0].dtype)
         return tuple(
             (x.astype(d.dtype) / (d + damping)).astype(x.dtype)
@@ -80,30 +82,30 @@ class Diagonal(AbstractBlock):
     def eigenvalues(self) -> Float[Array, " size"]:
         return ravel(self.diag)
 
-    def ema(self, other: "Diagonal", decay: ScalarLike) -> "Diagonal":
+    def ema(self, other: "DiagonalBlock", decay: ScalarLike) -> "DiagonalBlock":
         check_same(self, other, "ema")
         decay = check_scalar(decay, "decay", self.diag[0].dtype, upper=1.0)
-        return Diagonal(
+        return DiagonalBlock(
             tuple(
                 decay * d + (1 - decay) * e
                 for d, e in zip(self.diag, other.diag, strict=True)
             )
         )
 
-    def scale(self, c: ScalarLike) -> "Diagonal":
+    def scale(self, c: ScalarLike) -> "DiagonalBlock":
         c = check_scalar(c, "c", self.diag[0].dtype)
-        return Diagonal(tuple(c * d for d in self.diag))
+        return DiagonalBlock(tuple(c * d for d in self.diag))
 
 
-@lx.is_diagonal.register(Diagonal)
-@lx.is_tridiagonal.register(Diagonal)
-@lx.is_lower_triangular.register(Diagonal)
-@lx.is_upper_triangular.register(Diagonal)
+@lx.is_diagonal.register(DiagonalBlock)
+@lx.is_tridiagonal.register(DiagonalBlock)
+@lx.is_lower_triangular.register(DiagonalBlock)
+@lx.is_upper_triangular.register(DiagonalBlock)
 def _(operator):
     return True
 
 
-@lx.tridiagonal.register(Diagonal)
+@lx.tridiagonal.register(DiagonalBlock)
 def _(operator):
     diag = ravel(operator.diag)
     off = jnp.zeros(diag.shape[0] - 1, diag.dtype)

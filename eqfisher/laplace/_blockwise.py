@@ -12,7 +12,7 @@ from jaxtyping import Array, PyTree
 from .._curvature import Curvature
 from ..blocks import (
     AbstractBlock,
-    Diagonal,
+    DiagonalBlock,
     EigenKroneckerFactored,
     Full,
     KroneckerFactored,
@@ -106,7 +106,7 @@ def _(block: Full, vector, scale, prior):
 
 
 @sqrt_inverse_mv.register
-def _(block: Diagonal, vector, scale, prior):
+def _(block: DiagonalBlock, vector, scale, prior):
     out = tuple(
         x.astype(d.dtype) / jnp.sqrt(scale * d + prior)
         for d, x in zip(block.diag, vector)
