@@ -175,7 +175,7 @@ def kfac_jax_runs(model, x, y, indices, keys, max_steps):
                 )
                 return p, state
 
-            def fresh():
+            def fresh(optimizer=optimizer):
                 # kfac_jax donates parameters and state to `step`: new ones per run.
                 p = jax.tree_util.tree_map(jnp.copy, params)
                 return p, optimizer.init(p, keys[-1], (x[indices[0]], y[indices[0]]))
