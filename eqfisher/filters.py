@@ -118,6 +118,10 @@ def by_path(pattern: str) -> AbstractFilter:
     ef.filters.by_path("*.weight")        # every weight
     ef.filters.by_path("layers[*].bias")  # the bias of every layer
     ef.filters.by_path("['encoder']*")    # everything under the dict key 'encoder'
+
+    model = eqx.nn.MLP(4, 3, 8, 1, key=jax.random.key(0))
+    first = ef.filters.mask(model, ef.filters.by_path("layers[0].*"))
+    assert first.layers[0].weight and not first.layers[1].weight
     ```
 
     **Arguments:**

@@ -221,9 +221,17 @@ def setup() -> dict:
 def test_docstring_example_runs(obj, setup):
     scope = dict(setup)
     name = getattr(obj, "__qualname__", getattr(obj, "__name__", "?"))
+    codes = _examples(obj)
+    assert codes, f"{name}: no example to run"
     with as_a_user():
-        for code in _examples(obj):
+        for code in codes:
+            before = dict(scope)
             exec(compile(code, f"<docstring of {name}>", "exec"), scope)
+            # An example shows a result: it (re)binds a name, prints or asserts.
+            bound = [k for k, v in scope.items() if before.get(k) is not v]
+            assert bound or "print(" in code or "assert " in code, (
+                f"{name}: an example that shows nothing"
+            )
 
 
 # The main entry points: each carries a runnable example and says what it raises.
