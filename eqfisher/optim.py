@@ -432,6 +432,29 @@ def curvature_ok(state: PyTree) -> Array:
         ) from None
 
 
+def _leading(batch: PyTree, size: int | None) -> PyTree:
+    """The first `size` examples of every leaf of `batch` (all when `None`)."""
+    if size is None:
+        return batch
+    return jax.tree_util.tree_map(lambda x: x[:size], batch)
+
+
+def _amortised_update(optimiser, curvature_fn, grads, opt_state, params, period):
+    """The optimiser update, with `curvature_fn()` folded in at every `period`-th
+    step (by the K-FAC state's count, under `lax.cond`)."""
+
+    def with_curvature():
+        return optimiser.update(grads, opt_state, params, curvature=curvature_fn())
+
+    def without_curvature():
+        return optimiser.update(grads, opt_state, params)
+
+    if period == 1:
+        return with_curvature()
+    count = find_kfac_state(opt_state).count
+    return jax.lax.cond(count % period == 0, with_curvature, without_curvature)
+
+
 def kfac_step(
     loss_fn: Callable,
     optimiser: optax.GradientTransformationExtraArgs,
@@ -506,31 +529,18 @@ def kfac_step(
             updates, opt_state = optimiser.update(
                 grads, opt_state, params, curvature=curv
             )
-            return eqx.apply_updates(model, updates), opt_state, loss
-        # The gradient is computed outside `lax.cond`: XLA:CPU runs convolutions
-        # inside control flow far slower than outside (jax-ml/jax#12868).
-        loss, grads = value_and_grad(model, batch)
-        sub = (
-            batch
-            if curvature_batch_size is None
-            else jax.tree_util.tree_map(lambda x: x[:curvature_batch_size], batch)
-        )
-
-        def with_curvature():
-            _, _, curv = vgc(model, sub, key=key)
-            return optimiser.update(grads, opt_state, params, curvature=curv)
-
-        def without_curvature():
-            return optimiser.update(grads, opt_state, params)
-
-        if curvature_update_period == 1:
-            updates, opt_state = with_curvature()
         else:
-            count = find_kfac_state(opt_state).count
-            updates, opt_state = jax.lax.cond(
-                count % curvature_update_period == 0,
-                with_curvature,
-                without_curvature,
+            # The gradient is computed outside `lax.cond`: XLA:CPU runs
+            # convolutions inside control flow far slower (jax-ml/jax#12868).
+            loss, grads = value_and_grad(model, batch)
+            sub = _leading(batch, curvature_batch_size)
+            updates, opt_state = _amortised_update(
+                optimiser,
+                lambda: vgc(model, sub, key=key)[2],
+                grads,
+                opt_state,
+                params,
+                curvature_update_period,
             )
         return eqx.apply_updates(model, updates), opt_state, loss
 
