@@ -173,8 +173,7 @@ def memory_estimate(
         assert estimate.curvature < 2**30
         ```
     """
-    curv = _eval_shape(
-        curvature,
+    curv = _curvature_shapes(
         loss_fn,
         model,
         batch,
@@ -182,10 +181,32 @@ def memory_estimate(
         structure=structure,
         key=key,
         where=where,
+        examples=examples,
+    )
+    params = eqx.filter(model, lambda x: _is_shaped(x) and _inexact(x))
+    return MemoryEstimate(
+        _nbytes(params), _block_memory(curv), _optimiser_bytes(optimiser, params)
+    )
+
+
+def _curvature_shapes(loss_fn, model, batch, *, examples, **kwargs) -> Curvature:
+    """`eqfisher.curvature(...)` traced with `jax.eval_shape`: its blocks hold
+    `jax.ShapeDtypeStruct`s."""
+    curv = _eval_shape(
+        curvature,
+        loss_fn,
+        model,
+        batch,
+        **kwargs,
         **({} if examples is None else {"examples": examples}),
     )
     if not isinstance(curv, Curvature):  # pragma: no cover - curvature's contract
         raise TypeError(f"expected a `Curvature`, got {type(curv).__name__}")
+    return curv
+
+
+def _block_memory(curv: Curvature) -> tuple[BlockMemory, ...]:
+    """A `BlockMemory` per block of `curv`, largest first."""
     blocks = [
         BlockMemory(
             name,
@@ -195,18 +216,22 @@ def memory_estimate(
         )
         for name, block in curv.blocks.items()
     ]
-    blocks.sort(key=lambda b: -b.nbytes)
-    params = eqx.filter(model, lambda x: _is_shaped(x) and _inexact(x))
-    state = None
-    if optimiser is not None:
-        if not isinstance(optimiser, optax.GradientTransformation):
-            raise TypeError(
-                "`eqfisher.memory_estimate(..., optimiser=...)` needs an optax "
-                "transformation (e.g. `eqfisher.optim.kfac(lr, like=...)`), got "
-                f"{type(optimiser).__name__}."
-            )
-        state = _nbytes(_eval_shape(optimiser.init, params))
-    return MemoryEstimate(_nbytes(params), tuple(blocks), state)
+    return tuple(sorted(blocks, key=lambda b: -b.nbytes))
+
+
+def _optimiser_bytes(
+    optimiser: optax.GradientTransformation | None, params: PyTree
+) -> int | None:
+    """The bytes of `optimiser.init(params)`, from shapes; `None` without one."""
+    if optimiser is None:
+        return None
+    if not isinstance(optimiser, optax.GradientTransformation):
+        raise TypeError(
+            "`eqfisher.memory_estimate(..., optimiser=...)` needs an optax "
+            "transformation (e.g. `eqfisher.optim.kfac(lr, like=...)`), got "
+            f"{type(optimiser).__name__}."
+        )
+    return _nbytes(_eval_shape(optimiser.init, params))
 
 
 def _inexact(x: Any) -> bool:
