@@ -17,7 +17,8 @@ from jaxtyping import Array, Float
 from ._config import current_config
 from ._examples import leaf_axes
 from ._layers import LayerKind, LayerRecord
-from ._program import VarMap
+from ._patches import conv_patches
+from ._program import Const, PVar, VarMap, points
 from ._tracing import ProcessedTrace, Split, Traced, split
 from .losses import loss_tag_p
 
@@ -74,7 +75,7 @@ def _patches(record: LayerRecord, x: Array) -> Array:
     p = record.core.params
     dn = p["dimension_numbers"]
     kernel_shape = record.core.eqn.invars[1].aval.shape
-    patches = jax.lax.conv_general_dilated_patches(
+    patches = conv_patches(
         x,
         tuple(kernel_shape[i] for i in dn.rhs_spec[2:]),
         p["window_strides"],
@@ -82,7 +83,6 @@ def _patches(record: LayerRecord, x: Array) -> Array:
         p["lhs_dilation"],
         p["rhs_dilation"],
         dn,
-        precision=jax.lax.Precision.HIGHEST,
     )
     return jnp.moveaxis(patches, dn.out_spec[1], -1).reshape(-1, record.d_in)
 
@@ -253,6 +253,21 @@ def example_axis_size(record: LayerRecord) -> int:
     return shape[first]
 
 
+class LayerInputs(Sequence):
+    """The inputs of each layer, read from the stacked values on demand."""
+
+    def __init__(self, layers: Sequence[LayerRecord], values: VarMap):
+        self.layers = tuple(layers)
+        self.values = values
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i):  # pyright: ignore
+        a = self.layers[i].inputs
+        return a.value if isinstance(a, Const) else self.values[a]
+
+
 def layer_outputs_vjp(
     processed: ProcessedTrace,
     s: Split,
@@ -269,17 +284,20 @@ def layer_outputs_vjp(
     forward separately (XLA merges the duplicate), so that pulling back the
     curvature vectors never transposes the loss computation after the tags.
     """
-    points = list({id(r.outputs): r.outputs for r in layers}.values())
     coefs = processed.coefficients(s.inputs)
+    # A scan step's input is read as the scan's stacked `ys` and sliced outside the
+    # differentiated forward, so neither grows with the number of steps.
+    wanted = [a for a in points([r.inputs for r in layers if isinstance(r.inputs, PVar)])]
 
     def forward(p_leaves, perturb):
-        ev = processed.run(list(p_leaves) + s.others + s.batch, perturb)
+        ev = processed.run(list(p_leaves) + s.others + s.batch, perturb, reads=wanted)
         tag_inputs = tuple(t[0] for t in ev.tags)
-        aux = (processed.losses(ev, coefs), tuple(ev.read(r.inputs) for r in layers))
+        aux = (processed.losses(ev, coefs), tuple(ev.read(a) for a in wanted))
         return tag_inputs, aux
 
-    zero = VarMap.zeros(points)
-    tags, vjp, aux = jax.vjp(forward, s.params, zero, has_aux=True)
+    zero = VarMap.zeros(points([r.outputs for r in layers]))
+    tags, vjp, (losses, values) = jax.vjp(forward, s.params, zero, has_aux=True)
+    aux = (losses, LayerInputs(layers, VarMap(wanted, values)))
     if not full:
         return tags, vjp, aux, None
 

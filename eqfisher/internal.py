@@ -6,6 +6,7 @@ minor versions. It exists so that tests and benchmarks need no private module
 """
 
 from ._layers import LayerRecord as LayerRecord, detect as detect
+from ._patches import conv_patches as conv_patches
 from ._tracing import (
     ProcessedTrace as ProcessedTrace,
     Split as Split,
