@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int, PyTree
 
+from . import _compat
 from ._adaptive import AdaptiveState, QuadraticModel, adaptive_steps, quadratic_model
 from ._curvature import Curvature, value_grad_and_curvature
 from ._damping import AbstractDamping, FactoredTikhonov, Tikhonov, tikhonov_inverse
@@ -439,20 +440,31 @@ def _leading(batch: PyTree, size: int | None) -> PyTree:
     return jax.tree_util.tree_map(lambda x: x[:size], batch)
 
 
-def _amortised_update(optimiser, curvature_fn, grads, opt_state, params, period):
-    """The optimiser update, with `curvature_fn()` folded in at every `period`-th
-    step (by the K-FAC state's count, under `lax.cond`)."""
-
-    def with_curvature():
-        return optimiser.update(grads, opt_state, params, curvature=curvature_fn())
-
-    def without_curvature():
-        return optimiser.update(grads, opt_state, params)
-
+def _every(period: int, opt_state: PyTree, due: Callable, otherwise: Callable):
+    """`due()` at every `period`-th step (by the K-FAC state's count, chosen with
+    `lax.cond` inside jit), `otherwise()` at the others."""
     if period == 1:
-        return with_curvature()
+        return due()
     count = find_kfac_state(opt_state).count
-    return jax.lax.cond(count % period == 0, with_curvature, without_curvature)
+    return jax.lax.cond(count % period == 0, due, otherwise)
+
+
+def _shares_forward(loss_fn, model, batch, period, curvature_batch_size) -> bool:
+    """Whether a statistics step takes its loss and gradient from the statistics
+    pass (one forward), with the gradient inside the `lax.cond` on the period.
+
+    Not when the statistics come from a sub-batch, and not for a model with
+    convolutions on CPU: XLA:CPU runs convolutions inside control flow 10-100x
+    slower than outside (jax-ml/jax#12868), so there the gradient is computed
+    outside the `cond` and a statistics step pays one more forward and backward.
+    """
+    if curvature_batch_size is not None:
+        return False
+    if period == 1 or jax.default_backend() != "cpu":
+        return True
+    arrays, static = eqx.partition((model, batch), eqx.is_array)
+    names = _compat.primitive_names(lambda a: loss_fn(*eqx.combine(a, static)), arrays)
+    return "conv_general_dilated" not in names
 
 
 def kfac_step(
@@ -523,24 +535,28 @@ def kfac_step(
     @eqx.filter_jit
     def step(model, opt_state, batch, key=None):
         params = eqx.filter(model, eqx.is_inexact_array)
-        if curvature_update_period == 1 and curvature_batch_size is None:
-            # One shared forward for the loss, the gradient and the statistics.
-            loss, grads, curv = vgc(model, batch, key=key)
-            updates, opt_state = optimiser.update(
-                grads, opt_state, params, curvature=curv
-            )
+        period = curvature_update_period
+        if _shares_forward(loss_fn, model, batch, period, curvature_batch_size):
+
+            def statistics():
+                loss, grads, curv = vgc(model, batch, key=key)
+                return loss, *optimiser.update(grads, opt_state, params, curvature=curv)
+
+            def plain():
+                loss, grads = value_and_grad(model, batch)
+                return loss, *optimiser.update(grads, opt_state, params)
+
+            loss, updates, opt_state = _every(period, opt_state, statistics, plain)
         else:
-            # The gradient is computed outside `lax.cond`: XLA:CPU runs
-            # convolutions inside control flow far slower (jax-ml/jax#12868).
             loss, grads = value_and_grad(model, batch)
             sub = _leading(batch, curvature_batch_size)
-            updates, opt_state = _amortised_update(
-                optimiser,
-                lambda: vgc(model, sub, key=key)[2],
-                grads,
+            updates, opt_state = _every(
+                period,
                 opt_state,
-                params,
-                curvature_update_period,
+                lambda: optimiser.update(
+                    grads, opt_state, params, curvature=vgc(model, sub, key=key)[2]
+                ),
+                lambda: optimiser.update(grads, opt_state, params),
             )
         return eqx.apply_updates(model, updates), opt_state, loss
 
