@@ -479,9 +479,12 @@ def kfac_step(
     """One jitted training step: gradient, curvature when due, optimiser update.
 
     Every `curvature_update_period`-th step (counted by the K-FAC state, chosen with
-    `lax.cond` inside jit: one compilation) computes the curvature with
-    `eqfisher.value_grad_and_curvature`; the steps in between cost one
-    value-and-gradient plus the cached preconditioner's products.
+    `lax.cond` inside jit: one compilation) computes the loss, the gradient and the
+    curvature with `eqfisher.value_grad_and_curvature` (one forward); the steps in
+    between cost one value-and-gradient plus the cached preconditioner's products.
+    On CPU, for a model with convolutions, the gradient is computed outside the
+    `cond` on every step and a statistics step adds the statistics pass, because
+    XLA:CPU runs convolutions inside control flow far slower (jax-ml/jax#12868).
 
     **Arguments:**
 
