@@ -1,6 +1,7 @@
 """`Curvature`: the blocks of a whole model, as one lineax operator, and the
 functions that build it (`curvature`, `value_grad_and_curvature`)."""
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -118,18 +119,13 @@ class Curvature(lx.AbstractLinearOperator):
 
         !!! Example
 
+            With `model`, `batch` and `loss_fn` as in `eqfisher.curvature`'s example:
+
             ```python
-            model = eqx.nn.MLP(2, 3, 8, 1, key=jax.random.key(0))
-            x, y = jnp.ones((16, 2)), jnp.zeros(16, dtype=int)
-
-            def loss_fn(model, batch):
-                x, y = batch
-                return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
-
             curv = ef.curvature(
-                loss_fn, model, (x, y), estimator=ef.GGN(), structure=ef.KFAC()
+                loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
             )
-            grads = eqx.filter_grad(loss_fn)(model, (x, y))
+            grads = eqx.filter_grad(loss_fn)(model, batch)
             step = curv.solve(grads, 1e-3)  # (C + 0.001 I)⁻¹ g, like grads
             ```
         """
@@ -486,14 +482,14 @@ def curvature(
 
         ```python
         model = eqx.nn.MLP(2, 3, 8, 1, key=jax.random.key(0))
-        x, y = jnp.ones((16, 2)), jnp.zeros(16, dtype=int)
+        batch = (jnp.ones((16, 2)), jnp.zeros(16, dtype=int))  # inputs, labels
 
         def loss_fn(model, batch):
             x, y = batch
             return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
 
         curv = ef.curvature(
-            loss_fn, model, (x, y), estimator=ef.GGN(), structure=ef.KFAC()
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
         )
         print(curv.blocks.keys())  # layers[0], layers[1]: KroneckerFactored
         print(curv.as_matrix().shape)  # (59, 59)
@@ -565,35 +561,18 @@ def value_grad_and_curvature(
 
     !!! Example
 
+        With `model`, `batch` and `loss_fn` as in `eqfisher.curvature`'s example:
+
         ```python
-        model = eqx.nn.MLP(2, 3, 8, 1, key=jax.random.key(0))
-        x, y = jnp.ones((16, 2)), jnp.zeros(16, dtype=int)
-
-        def loss_fn(model, batch):
-            x, y = batch
-            return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
-
         vgc = ef.value_grad_and_curvature(
             loss_fn, estimator=ef.FisherMC(), structure=ef.KFAC()
         )
-        loss, grads, curv = vgc(model, (x, y), key=jax.random.key(1))
+        loss, grads, curv = vgc(model, batch, key=jax.random.key(1))
         ```
     """
     caller = "eqfisher.value_grad_and_curvature"
-    if has_aux and surrogate:
-        raise ValueError(f"`{caller}`: pass at most one of `has_aux` and `surrogate`.")
-    returns = "aux" if has_aux else "surrogate" if surrogate else "loss"
-    traced = Traced(loss_fn, caller, returns)
-
-    def cotangent_fn(outputs):
-        which = 1 if surrogate else 0
-        # Outputs may be Python scalars (an aux built from shapes): `jnp.shape`.
-        return tuple(
-            (jnp.ones_like(o) if i == which else jnp.zeros_like(o))
-            if jnp.issubdtype(jnp.result_type(o), jnp.inexact)
-            else np.zeros(jnp.shape(o), jax.dtypes.float0)
-            for i, o in enumerate(outputs)
-        )
+    traced = Traced(loss_fn, caller, _returns(caller, has_aux, surrogate))
+    cotangent_fn = functools.partial(_cotangents, which=1 if surrogate else 0)
 
     def fn(model, batch, *, key=None):
         _check_args(caller, estimator, structure, key, examples)
@@ -603,21 +582,49 @@ def value_grad_and_curvature(
     def compiled(model, batch, key, config: Config):
         del config  # static: see `_curvature_jit`
         builder = _Builder(traced, estimator, structure, where, caller, examples)
-        curv, outputs, grads, s = builder(
+        curv, outputs, grads, _ = builder(
             model, batch, key, full=True, cotangent_fn=cotangent_fn
         )
-        program_outputs = outputs[0]
-        params = eqx.filter(model, eqx.is_inexact_array)
-        grads = jax.tree_util.tree_unflatten(
-            jax.tree_util.tree_structure(params), grads
-        )
-        loss = program_outputs[0]
-        if has_aux:
-            out_shape = eqx.filter_eval_shape(loss_fn, model, batch)
-            aux = jax.tree_util.tree_unflatten(
-                jax.tree_util.tree_structure(out_shape[1]), list(program_outputs[1:])
-            )
-            return (loss, aux), grads, curv
-        return loss, grads, curv
+        value = _value(loss_fn, model, batch, outputs[0], has_aux)
+        return value, _like_params(model, grads), curv
 
     return fn
+
+
+def _returns(caller: str, has_aux: bool, surrogate: bool) -> str:
+    """What `loss_fn` returns, as `Traced` names it: `"aux"`, `"surrogate"` or
+    `"loss"`."""
+    if has_aux and surrogate:
+        raise ValueError(f"`{caller}`: pass at most one of `has_aux` and `surrogate`.")
+    return "aux" if has_aux else "surrogate" if surrogate else "loss"
+
+
+def _cotangents(outputs, which: int) -> tuple:
+    """The cotangent that pulls back the gradient of `outputs[which]` alone: ones
+    there, zeros (`float0` for integer outputs) elsewhere."""
+    # Outputs may be Python scalars (an aux built from shapes): `jnp.shape`.
+    return tuple(
+        (jnp.ones_like(o) if i == which else jnp.zeros_like(o))
+        if jnp.issubdtype(jnp.result_type(o), jnp.inexact)
+        else np.zeros(jnp.shape(o), jax.dtypes.float0)
+        for i, o in enumerate(outputs)
+    )
+
+
+def _value(loss_fn, model, batch, program_outputs, has_aux: bool):
+    """The loss, or `(loss, aux)` with `has_aux` (aux rebuilt in `loss_fn`'s
+    output structure)."""
+    loss = program_outputs[0]
+    if not has_aux:
+        return loss
+    out_shape = eqx.filter_eval_shape(loss_fn, model, batch)
+    aux = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(out_shape[1]), list(program_outputs[1:])
+    )
+    return loss, aux
+
+
+def _like_params(model: PyTree, leaves) -> PyTree:
+    """The gradient's leaves in the structure of `eqx.filter_grad`'s result."""
+    params = eqx.filter(model, eqx.is_inexact_array)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), leaves)
