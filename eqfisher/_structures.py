@@ -274,7 +274,18 @@ class Dense(AbstractStructure):
         return statistics.full()
 
 
-class BlockDiagonal(AbstractStructure):
+class _AbstractExactPerLayer(AbstractStructure):
+    """A block per candidate (per layer, and per leaf in no layer), built from the
+    exact per-example vectors; subclasses implement `block`."""
+
+    def groups(self, candidates, model, caller):
+        return candidates
+
+    def needs(self, group):
+        return Needs(examples=True)
+
+
+class BlockDiagonal(_AbstractExactPerLayer):
     """A dense block per layer; leaves in no layer get their own dense block.
 
     !!! Example
@@ -287,17 +298,11 @@ class BlockDiagonal(AbstractStructure):
         ```
     """
 
-    def groups(self, candidates, model, caller):
-        return candidates
-
-    def needs(self, group):
-        return Needs(examples=True)
-
     def block(self, group, statistics):
         return statistics.full()
 
 
-class Diagonal(AbstractStructure):
+class Diagonal(_AbstractExactPerLayer):
     """The exact diagonal of the curvature.
 
     !!! Example
@@ -307,12 +312,6 @@ class Diagonal(AbstractStructure):
         diag = curv.diagonal()  # a PyTree like the parameters, e.g. EWC's weights
         ```
     """
-
-    def groups(self, candidates, model, caller):
-        return candidates
-
-    def needs(self, group):
-        return Needs(examples=True)
 
     def block(self, group, statistics):
         return statistics.diagonal()
