@@ -30,7 +30,17 @@ from . import _axes
 from ._axes import Feature, OutputLabel, output_labels
 from ._config import current_config
 from ._declare import layer_tag_p
-from ._program import STRUCTURAL, Const, Node, Program, PVar
+from ._program import (
+    STRUCTURAL,
+    SYMBOLIC,
+    Const,
+    Node,
+    Program,
+    PVar,
+    ScanNode,
+    scan_nodes,
+    symbolic,
+)
 from .losses import loss_tag_p
 
 
@@ -137,12 +147,17 @@ def _views(program: Program, srcvars: Sequence[PVar]) -> dict[int, _View]:
 
 
 def _reaching_losses(program: Program) -> frozenset[int]:
+    # Repeated until nothing is added: a scan body's `loop` link (see
+    # `_program.symbolic`) feeds the body's carry back to its start.
     reach: set[int] = set()
-    for node in reversed(program.nodes):
-        if node.eqn.primitive is loss_tag_p:
-            reach.add(id(node.operand(0)))
-        elif any(o is not None and id(o) in reach for o in node.outs):
-            reach.update(id(a) for a in node.args)
+    size = -1
+    while size != len(reach):
+        size = len(reach)
+        for node in reversed(program.nodes):
+            if node.eqn.primitive is loss_tag_p:
+                reach.add(id(node.operand(0)))
+            elif any(o is not None and id(o) in reach for o in node.outs):
+                reach.update(id(a) for a in node.args)
     return frozenset(reach)
 
 
@@ -685,24 +700,52 @@ def _judge(cands: Sequence[_Candidate], graph: _Graph) -> _Verdict:
 # Phase 4: records and reasons.
 
 
-def _record(cand: _Candidate, graph: _Graph) -> LayerRecord:
-    indices = cand.indices
-    paths = tuple(graph.paths[i] for i in indices)
+class _Numbering(NamedTuple):
+    """Parameter numbers as the records use them: paths and model order."""
+
+    num_leaves: int
+    leaf_paths: tuple[str, ...]
+    paths: tuple[str, ...]
+    orders: tuple[tuple[int, tuple[int, ...]], ...]  # (leaf, index) of each number
+
+
+def _numbering(program: Program, leaf_paths: Sequence[str]) -> _Numbering:
+    orders = [(i, ()) for i in range(len(leaf_paths))]
+    orders += [(u.leaf, u.index) for u in program.units]
+    return _Numbering(
+        len(leaf_paths),
+        tuple(leaf_paths),
+        tuple(unit_paths(program, leaf_paths)),
+        tuple(orders),
+    )
+
+
+def _record(
+    cand: _Candidate,
+    numbering: _Numbering,
+    indices: tuple[int, ...] | None = None,
+    inputs: Any = None,
+    outputs: PVar | None = None,
+) -> LayerRecord:
+    """The record of a kept candidate; a scan body's candidate at one step gives
+    that step's `indices`, `inputs` and `outputs`."""
+    indices = cand.indices if indices is None else indices
+    paths = tuple(numbering.paths[i] for i in indices)
     name = layer_name(paths)
     steps = {
-        graph.model_order(i)[1] if i >= graph.num_leaves else None for i in indices
+        numbering.orders[i][1] if i >= numbering.num_leaves else None for i in indices
     }
     if len(steps) == 1 and (step := steps.pop()) is not None:
         # One scan step's slices: the step index comes last, `blocks.attn.q[2]`.
-        base = [graph.leaf_paths[graph.model_order(i)[0]] for i in indices]
+        base = [numbering.leaf_paths[numbering.orders[i][0]] for i in indices]
         name = layer_name(base) + "".join(f"[{k}]" for k in step)
     out_shape = cand.outputs.aval.shape
     d_out = math.prod(out_shape[i] for i in _axes.feature_axes(cand.out_labels))
     return LayerRecord(
         info=LayerInfo(name, cand.kind, paths),
         param_indices=indices,
-        inputs=cand.activation,
-        outputs=cand.outputs,
+        inputs=cand.activation if inputs is None else inputs,
+        outputs=cand.outputs if outputs is None else outputs,
         in_order=cand.in_order,
         out_order=_axes.matrix_order(cand.out_labels),
         d_in=cand.d_in,
@@ -712,14 +755,26 @@ def _record(cand: _Candidate, graph: _Graph) -> LayerRecord:
     )
 
 
-def _records(cands, verdict: _Verdict, graph: _Graph) -> tuple[LayerRecord, ...]:
-    """The kept layers that reach a loss, in model order, with unique names."""
-    records = [
-        _record(c, graph)
+def _kept(cands, verdict: _Verdict, graph: _Graph) -> list[_Candidate]:
+    """The candidates that stay and reach a loss."""
+    return [
+        c
         for c in cands
         if id(c) not in verdict.dropped and id(c.outputs) in graph.reach
     ]
-    records.sort(key=lambda r: min(graph.model_order(i) for i in r.param_indices))
+
+
+def _records(cands, verdict: _Verdict, graph: _Graph) -> tuple[LayerRecord, ...]:
+    """The kept layers that reach a loss, in model order, with unique names."""
+    numbering = _numbering(graph.program, graph.leaf_paths)
+    records = [_record(c, numbering) for c in _kept(cands, verdict, graph)]
+    return _in_order(records, numbering)
+
+
+def _in_order(records, numbering: _Numbering) -> tuple[LayerRecord, ...]:
+    records = sorted(
+        records, key=lambda r: min(numbering.orders[i] for i in r.param_indices)
+    )
     return _unique_names(records)
 
 
@@ -794,13 +849,88 @@ def _control_flow_user(graph: _Graph, index: int) -> str | None:
 def detect(program: Program, leaf_paths: Sequence[str]) -> Detection:
     """Finds the layers of `program`, whose first invars are the parameter leaves.
 
-    Parameters are numbered as in `sources`: leaves, then scan units.
+    Parameters are numbered as in `sources`: leaves, then scan units. The layers of
+    a kept scan (`_program.ScanNode`) are found once, on its body with symbolic
+    units (`_program.symbolic`), and given one record per step.
     """
-    graph = _Graph.of(program, leaf_paths)
+    seen = symbolic(program)
+    graph = _Graph.of(seen, leaf_paths)
     cands = _candidates(graph)
     verdict = _judge(cands, graph)
-    records = _records(cands, verdict, graph)
-    return Detection(records, _unmatched(records, verdict, graph))
+    if seen is program:
+        records = _records(cands, verdict, graph)
+        return Detection(records, _unmatched(records, verdict, graph))
+    return _every_step(program, graph, cands, verdict)
+
+
+def _every_step(program: Program, graph: _Graph, cands, verdict: _Verdict) -> Detection:
+    """Records and reasons of `program` from the detection on its symbolic
+    program (`graph`): a candidate in a scan body gives one record per step, a
+    symbolic unit's reason holds for each step's unit."""
+    numbering = _numbering(program, graph.leaf_paths)
+    number = {id(u): graph.num_leaves + j for j, u in enumerate(program.units)}
+    # Symbolic number -> the real numbers per step; other numbers stay.
+    per_step: dict[int, dict[int, int]] = {}
+    moved: dict[int, int] = {i: i for i in range(graph.num_leaves)}
+    scans = scan_nodes(program)
+    owner: dict[int, ScanNode] = {}
+    for scan in scans:
+        for u in scan.units:
+            owner[id(u)] = scan
+    for j, u in enumerate(graph.program.units):
+        k = graph.num_leaves + j
+        scan = next((sc for sc in scans if any(s is u for s in sc.symbolic)), None)
+        if scan is None:
+            moved[k] = number[id(u)]
+            continue
+        per_step[k] = {
+            r.index[0]: number[id(r)] for r in scan.units if r.leaf == u.leaf
+        }
+    body_of = {id(n): scan for scan in scans for n in scan.body}
+    records = []
+    for cand in _kept(cands, verdict, graph):
+        scan = body_of.get(id(cand.core))
+        if scan is None:
+            records.append(
+                _record(cand, numbering, tuple(moved[i] for i in cand.indices))
+            )
+            continue
+        inside = scan.body_vars()
+
+        def at(var, step, scan=scan, inside=inside):
+            return scan.step_var(var, step) if id(var) in inside else var
+
+        for step in scan.steps:
+            indices = tuple(
+                per_step[i][step] if i in per_step else moved[i] for i in cand.indices
+            )
+            records.append(
+                _record(
+                    cand,
+                    numbering,
+                    indices,
+                    at(cand.activation, step),
+                    at(cand.outputs, step),
+                )
+            )
+    records = _in_order(records, numbering)
+    used = {i for r in records for i in r.param_indices}
+    back = {v: k for k, v in moved.items()}
+    for k, steps in per_step.items():
+        back.update({v: k for v in steps.values()})
+    split = program.stacked()
+    srcvars = sources(program, graph.num_leaves)
+    unmatched = []
+    for i in sorted(range(len(numbering.paths)), key=lambda i: numbering.orders[i]):
+        if i in used or id(srcvars[i]) in split:
+            continue
+        k = back[i]
+        reason = _reason(k, verdict, graph)
+        if k in per_step:
+            step = numbering.orders[i][1][0]
+            reason = reason.replace(f"[{SYMBOLIC}]", f"[{step}]")
+        unmatched.append((numbering.paths[i], reason))
+    return Detection(records, tuple(unmatched))
 
 
 def layer_name(paths: Sequence[str]) -> str:

@@ -3,10 +3,14 @@
 Nested `jit`, `jax.checkpoint` and custom-derivative calls that carry parameters or
 a loss tag are inlined, so that layers inside them are visible and can be perturbed.
 A `scan` that reads parameters (stacked layers as `xs`, or shared weights as
-consts) is unrolled, up to `Config.max_unroll` steps: each step's slice of a stacked leaf
-becomes a *unit*, a parameter of its own, so the layers of every step are found.
-Every other equation (`relu`'s custom JVP, `cond`, longer scans, ...) stays one
-opaque node evaluated as a whole, so its own derivative rules are kept.
+consts) stays a scan, a `ScanNode` holding its flattened body: each step's slice of
+a stacked leaf is a *unit*, a parameter of its own, and a variable of the body at
+step `t` is a `StepVar`; the interpreter perturbs such variables through the scan's
+`xs` and reads them back as its `ys`, so the program does not grow with the number
+of steps. The scans it cannot keep (nested scans over stacked leaves, a parameter
+in the carry, a loss registered inside) are unrolled, up to `Config.max_unroll`
+steps. Every other equation (`relu`'s custom JVP, `cond`, longer scans, ...) stays
+one opaque node evaluated as a whole, so its own derivative rules are kept.
 """
 
 import dataclasses
@@ -21,7 +25,7 @@ import numpy as np
 from . import _compat
 from ._config import current_config
 from ._declare import layer_tag_p
-from .losses import loss_tag_p
+from .losses import loss_tag_p, loss_value_tag_p
 
 
 # Primitives that only move or retype data: a parameter seen through them is still
@@ -75,6 +79,26 @@ class PVar:
         return f"PVar({self.aval.str_short()})"
 
 
+class StepVar(PVar):
+    """Variable `base` of a scan body at step `step`.
+
+    Its values for all steps are one array, the variable `stacked` (`(length,
+    *base.shape)`): the interpreter reads it from the scan's `ys` and perturbs it
+    through the scan's `xs`.
+    """
+
+    __slots__ = ("base", "step", "stacked")
+
+    def __init__(self, base: PVar, step: int, stacked: PVar, origin=None):
+        super().__init__(base.aval, origin)
+        self.base = base
+        self.step = step
+        self.stacked = stacked
+
+    def __repr__(self) -> str:
+        return f"StepVar({self.aval.str_short()}, step={self.step})"
+
+
 def _holds_param(atom: "Atom") -> bool:
     return isinstance(atom, PVar) and atom.origin is not None
 
@@ -117,6 +141,56 @@ class Node:
         return tuple(self.operand(i) for i in range(len(self.eqn.invars)))
 
 
+# The step index of a scan unit in the symbolic program detection reads: the
+# layers of one step stand for those of every step.
+SYMBOLIC = -1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScanNode(Node):
+    """A `scan` that reads parameters, kept as a scan around its flattened body.
+
+    The body reads the scan's consts as the outer atoms themselves (a parameter
+    leaf is itself inside the body), its carry as `carry_in` and its scanned inputs
+    as `xs_in`; a stacked parameter leaf's `xs_in` variable is the symbolic unit
+    `(leaf, (SYMBOLIC,))`. `units` are the real units, `leaf[t]` for every step,
+    each held by a `StepVar`.
+    """
+
+    consts: tuple[Atom, ...] = ()
+    carry: tuple[Atom, ...] = ()
+    xs: tuple[Atom, ...] = ()
+    carry_in: tuple[PVar, ...] = ()
+    xs_in: tuple[PVar, ...] = ()
+    body: tuple[Node, ...] = ()
+    body_outs: tuple[Atom, ...] = ()
+    length: int = 0
+    reverse: bool = False
+    symbolic: tuple["Unit", ...] = ()
+    units: tuple["Unit", ...] = ()
+    # id of a body variable -> (the variable, its stacked variable), made on demand.
+    stacks: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def steps(self) -> range:
+        """The steps in the order the scan runs them."""
+        return range(self.length - 1, -1, -1) if self.reverse else range(self.length)
+
+    def body_vars(self) -> set[int]:
+        """Ids of the variables defined inside the body."""
+        out = {id(v) for v in self.carry_in + self.xs_in}
+        out.update(id(o) for n in self.body for o in n.outs if o is not None)
+        return out
+
+    def step_var(self, var: PVar, step: int, origin: "Origin | None" = None) -> StepVar:
+        """Body variable `var` at `step`."""
+        if id(var) not in self.stacks:
+            shape = (self.length,) + var.aval.shape
+            stacked = PVar(jax.core.ShapedArray(shape, var.aval.dtype))
+            self.stacks[id(var)] = (var, stacked)
+        return StepVar(var, step, self.stacks[id(var)][1], origin)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Unit:
     """A slice `leaf[index]` of a stacked parameter leaf, read by one scan step.
@@ -152,6 +226,50 @@ class Program:
             for a in {id(a): a for a in node.args}:
                 out.setdefault(a, []).append(node)
         return out
+
+
+def symbolic(program: Program) -> Program:
+    """The program layer detection reads: each `ScanNode` replaced by one step of
+    its body, whose stacked parameters are the symbolic units, between three
+    links — `enter` (the scan's carry and `xs` into the body), `loop` (the body's
+    carry back into itself) and `leave` (the body's results out of the scan). The
+    links carry the scan's equation, so they match no layer and read as `scan`."""
+    if not any(isinstance(n, ScanNode) for n in program.nodes):
+        return program
+    nodes: list[Node] = []
+    for node in program.nodes:
+        if not isinstance(node, ScanNode):
+            nodes.append(node)
+            continue
+        n_carry = len(node.carry)
+        pvars = lambda atoms: tuple(a for a in atoms if isinstance(a, PVar))  # noqa: E731
+        enter = Node(
+            node.eqn, pvars(node.carry + node.xs), node.carry_in + node.xs_in, node.fn
+        )
+        loop = Node(node.eqn, pvars(node.body_outs[:n_carry]), node.carry_in, node.fn)
+        leave = Node(node.eqn, pvars(node.body_outs), node.outs, node.fn)
+        symbolic_units = tuple(
+            dataclasses.replace(u, nodes=(enter,)) for u in node.symbolic
+        )
+        object.__setattr__(node, "symbolic", symbolic_units)
+        nodes += [enter, loop, *node.body, leave]
+    units: list[Unit] = []
+    owner = {
+        id(u): n for n in program.nodes if isinstance(n, ScanNode) for u in n.units
+    }
+    done: set[int] = set()
+    for u in program.units:
+        scan = owner.get(id(u))
+        if scan is None:
+            units.append(u)
+        elif id(scan) not in done:
+            done.add(id(scan))
+            units.extend(scan.symbolic)
+    return Program(program.invars, tuple(nodes), program.outvars, tuple(units))
+
+
+def scan_nodes(program: Program) -> tuple[ScanNode, ...]:
+    return tuple(n for n in program.nodes if isinstance(n, ScanNode))
 
 
 def _contains_loss_tag(jaxpr) -> bool:
@@ -232,6 +350,10 @@ def _flatten_eqn(eqn, atoms, made, out_origins) -> _Piece:
     reads_params = any(_holds_param(a) for a in args)
     if body is not None and (reads_params or _contains_loss_tag(body[0])):
         return _inline(body, atoms, made)
+    if reads_params and eqn.primitive.name == "scan":
+        kept = _keep_scan(eqn, atoms, made)
+        if kept is not None:
+            return kept
     if reads_params and _unrolls(eqn):
         return _unroll(eqn, atoms, made)
     if reads_params and eqn.primitive is layer_tag_p and eqn.params["groups"]:
@@ -322,6 +444,83 @@ def _unrolls(eqn) -> bool:
     )
 
 
+def _contains_tag(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is loss_tag_p or eqn.primitive is loss_value_tag_p:
+            return True
+        body = _compat.call_body(eqn)
+        if body is None and eqn.primitive.name == "scan":
+            body = _compat.call_body_of(eqn.params["jaxpr"])
+        if body is not None and _contains_tag(body[0]):
+            return True
+    return False
+
+
+def _keep_scan(eqn, atoms: Sequence[Atom], made) -> _Piece | None:
+    """The scan as a `ScanNode`, or None where it must be unrolled: a parameter
+    (or a view of one) in the carry or sliced from something other than a whole
+    leaf, a leaf already cut by another scan, a loss registered inside, or a body
+    that itself cuts units (a nested scan over the stacked leaves)."""
+    p = eqn.params
+    body = _compat.call_body_of(p["jaxpr"])
+    length = p["length"]
+    if body is None or length < 1 or _contains_tag(body[0]):
+        return None
+    n_c, n_carry = _compat.scan_counts(eqn)
+    consts, carry = tuple(atoms[:n_c]), tuple(atoms[n_c : n_c + n_carry])
+    xs = tuple(atoms[n_c + n_carry :])
+    if any(_holds_param(a) for a in carry):
+        return None
+    cut = {leaf for leaf, _ in made}
+    stacked = [a for a in xs if _holds_param(a)]
+    for a in stacked:
+        if a.origin.index or not a.origin.exact or a.origin.leaf in cut:  # pyright: ignore
+            return None
+    if len({a.origin.leaf for a in stacked}) != len(stacked):  # pyright: ignore
+        return None
+    invars = body[0].invars
+    carry_in = tuple(PVar(v.aval) for v in invars[n_c : n_c + n_carry])
+    xs_in = tuple(
+        PVar(v.aval, Origin(a.origin.leaf, (SYMBOLIC,)) if _holds_param(a) else None)  # pyright: ignore
+        for v, a in zip(invars[n_c + n_carry :], xs)
+    )
+    inner = _inline(body, consts + carry_in + xs_in, made)
+    if inner.units or any(isinstance(n, ScanNode) for n in inner.nodes):
+        return None
+    if any(o is None for o in inner.outs):
+        return None
+    outs = tuple(None if _compat.is_drop_var(v) else PVar(v.aval) for v in eqn.outvars)
+    args = tuple(_atom_of(eqn, atoms, v) for v in _compat.unique_invars(eqn))
+    node = ScanNode(
+        eqn,
+        args,
+        outs,
+        _compat.eqn_evaluator(eqn),
+        consts=consts,
+        carry=carry,
+        xs=xs,
+        carry_in=carry_in,
+        xs_in=xs_in,
+        body=inner.nodes,
+        body_outs=tuple(inner.outs),  # pyright: ignore
+        length=length,
+        reverse=p["reverse"],
+    )
+    symbolic, units = [], []
+    for v, a in zip(xs_in, xs):
+        if _holds_param(a):
+            symbolic.append(Unit(v, a.origin.leaf, (SYMBOLIC,), a, ()))  # pyright: ignore
+    for step in node.steps:
+        for v, a in zip(xs_in, xs):
+            if _holds_param(a):
+                origin = Origin(a.origin.leaf, (step,))  # pyright: ignore
+                var = node.step_var(v, step, origin)
+                units.append(Unit(var, origin.leaf, origin.index, a, ()))  # pyright: ignore
+    object.__setattr__(node, "symbolic", tuple(symbolic))
+    object.__setattr__(node, "units", tuple(units))
+    return _Piece(list(outs), (node,), tuple(units))
+
+
 def _unroll(eqn, atoms: Sequence[Atom], made) -> _Piece:
     """Inlines every step of a scan, cutting its stacked parameters into units."""
     p = eqn.params
@@ -386,6 +585,12 @@ class VarMap:
         for k, v in zip(self.keys, self.values):
             if k is var:
                 return v
+        if isinstance(var, StepVar):
+            # Values may carry leading batch axes (under `jax.vmap`): the step axis
+            # is the one before the variable's own axes.
+            value = self[var.stacked]
+            axis = value.ndim - len(var.aval.shape) - 1
+            return jax.lax.index_in_dim(value, var.step, axis, keepdims=False)
         raise KeyError(var)
 
     def as_dict(self) -> dict[int, Any]:
@@ -414,7 +619,21 @@ class Evaluation:
     outputs: tuple[Any, ...]
 
     def read(self, a: Atom) -> Any:
-        return a.value if isinstance(a, Const) else self.env[id(a)]
+        if isinstance(a, Const):
+            return a.value
+        if isinstance(a, StepVar) and id(a) not in self.env:
+            return self.env[id(a.stacked)][a.step]
+        return self.env[id(a)]
+
+
+def points(variables: Sequence[PVar]) -> list[PVar]:
+    """The variables to perturb (or read) for `variables`, without repeats: a
+    `StepVar` is perturbed through its stacked variable, for all steps at once."""
+    out = {}
+    for v in variables:
+        key = v.stacked if isinstance(v, StepVar) else v
+        out.setdefault(id(key), key)
+    return list(out.values())
 
 
 def evaluate(
@@ -423,16 +642,20 @@ def evaluate(
     perturbations: VarMap | None = None,
     *,
     stop_after_tags: int | None = None,
+    reads: Sequence[Atom] = (),
 ) -> Evaluation:
     """Runs the program, adding `perturbations` to the variables they name.
 
     With `stop_after_tags=k`, stops right after the k-th loss tag (the rest of the
-    program only turns tag outputs into the loss value).
+    program only turns tag outputs into the loss value). A `StepVar` can be read
+    from the result only when it (or its stacked variable) is among `reads`: the
+    scan then returns its values for every step.
     """
     env: dict[int, Any] = {id(v): x for v, x in zip(program.invars, inputs)}
     extra = perturbations.as_dict() if perturbations is not None else {}
     for k in set(env) & set(extra):
         env[k] = env[k] + extra[k]
+    emit = {id(v.stacked if isinstance(v, StepVar) else v) for v in reads}
     ev = Evaluation(env, [], ())
     for node in program.nodes:
         args = [ev.read(a) for a in node.args]
@@ -440,6 +663,8 @@ def evaluate(
             values = [ev.read(node.operand(i)) for i in range(3)]
             ev.tags.append(tuple(values))
             outs = [values[0]]  # the tag is the identity on its inputs
+        elif isinstance(node, ScanNode):
+            outs = _run_scan(node, ev, extra, emit)
         else:
             outs = node.fn(*args)
         for v, x in zip(node.outs, outs):
@@ -450,3 +675,49 @@ def evaluate(
             return ev
     ev.outputs = tuple(ev.read(a) for a in program.outvars)
     return ev
+
+
+def _run_scan(
+    node: ScanNode, ev: Evaluation, extra: Mapping[int, Any], emit: set[int]
+) -> list[Any]:
+    """Runs a kept scan: perturbations of body variables go in as `xs`, the body
+    variables to read come out as `ys` (into `ev.env`, under their stacked
+    variables)."""
+    stacks = list(node.stacks.values())
+    perturbed = [(v, extra[id(st)]) for v, st in stacks if id(st) in extra]
+    emitted = [(v, st) for v, st in stacks if id(st) in emit]
+    n_carry = len(node.carry)
+    outer = ev.env
+
+    def step(carry, x):
+        xs, deltas = x
+        env = dict(outer)
+        env.update({id(v): c for v, c in zip(node.carry_in, carry)})
+        env.update({id(v): c for v, c in zip(node.xs_in, xs)})
+        inner = Evaluation(env, [], ())
+        delta = {id(v): d for (v, _), d in zip(perturbed, deltas)}
+        for k in set(env) & set(delta):
+            env[k] = env[k] + delta[k]
+        for n in node.body:
+            outs = n.fn(*(inner.read(a) for a in n.args))
+            for v, y in zip(n.outs, outs):
+                if v is not None:
+                    env[id(v)] = y + delta[id(v)] if id(v) in delta else y
+        results = [inner.read(a) for a in node.body_outs]
+        reads = [env[id(v)] for v, _ in emitted]
+        return results[:n_carry], (results[n_carry:], reads)
+
+    init = [ev.read(a) for a in node.carry]
+    xs = [ev.read(a) for a in node.xs]
+    deltas = [d for _, d in perturbed]
+    carry, (ys, reads) = jax.lax.scan(
+        step,
+        init,
+        (xs, deltas),
+        length=node.length,
+        reverse=node.reverse,
+        unroll=node.params.get("unroll", 1),
+    )
+    for (_, st), r in zip(emitted, reads):
+        ev.env[id(st)] = r
+    return list(carry) + list(ys)

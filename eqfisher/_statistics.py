@@ -6,6 +6,7 @@ from the kind by `layer_inputs`; a kind without one raises `NotImplementedError`
 """
 
 import abc
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
@@ -18,7 +19,7 @@ from ._config import current_config
 from ._examples import leaf_axes
 from ._layers import LayerKind, LayerRecord
 from ._patches import conv_patches
-from ._program import Const, PVar, VarMap, points
+from ._program import Const, PVar, StepVar, VarMap, points
 from ._tracing import ProcessedTrace, Split, Traced, split
 from .losses import loss_tag_p
 
@@ -172,14 +173,42 @@ def kronecker_factors(
     the first location axis. A factor larger than `max_factor_dim` is computed as
     its diagonal only, a vector.
     """
-    too_large = lambda d: max_factor_dim is not None and d > max_factor_dim
+    g = _output_factor(record, g_stack, reduce_examples, max_factor_dim)
+    a, n = _input_factor(record, x, with_bias, dtype, reduce_examples, max_factor_dim)
+    return a, g.astype(dtype), n
+
+
+def _too_large(d: int, max_factor_dim: int | None) -> bool:
+    return max_factor_dim is not None and d > max_factor_dim
+
+
+def _output_factor(
+    record: LayerRecord,
+    g_stack: Array,
+    reduce_examples: int | None,
+    max_factor_dim: int | None,
+) -> Array:
+    """Σ over stacked vectors and locations of g gᵀ (its diagonal when too large)."""
     gm = output_matrix(record, g_stack)  # (k, locations, d_out)
     if reduce_examples is not None:
         gm = gm.reshape(gm.shape[0], reduce_examples, -1, gm.shape[-1]).sum(2)
     gm = gm.reshape(-1, gm.shape[-1])
-    g = jnp.sum(gm**2, axis=0) if too_large(gm.shape[-1]) else gm.T @ gm
+    if _too_large(gm.shape[-1], max_factor_dim):
+        return jnp.sum(gm**2, axis=0)
+    return gm.T @ gm
+
+
+def _input_factor(
+    record: LayerRecord,
+    x: Array,
+    with_bias: bool,
+    dtype,
+    reduce_examples: int | None,
+    max_factor_dim: int | None,
+) -> tuple[Array, int]:
+    """A = mean over locations of ã ãᵀ, and the number of rows it averages."""
     inexact = jnp.issubdtype(x.dtype, jnp.inexact)
-    diagonal = too_large(record.d_in + with_bias)
+    diagonal = _too_large(record.d_in + with_bias, max_factor_dim)
     aa, s, n = layer_inputs(record.kind).moments(
         record, x, reduce_examples, stat_dtype(x.dtype) if inexact else dtype, diagonal
     )
@@ -190,7 +219,98 @@ def kronecker_factors(
     elif with_bias:
         # [a; 1] blocks, without copying `a` into a wider matrix.
         aa = jnp.block([[aa, s[:, None]], [s[None, :], one[None]]])
-    return aa, g.astype(dtype), n
+    return aa, n
+
+
+def pooled_factors(
+    records: Sequence[LayerRecord],
+    inputs: "LayerInputs",
+    cotangents: VarMap,
+    with_bias: bool,
+    dtype,
+    *,
+    reduce_examples: int | None = None,
+    max_factor_dim: int | None = None,
+) -> tuple[Array, Array]:
+    """K-FAC's A and G of a group whose records are uses of one weight (tied
+    weights): the uses' rows pool as extra locations, A = Σᵤ Aᵤ nᵤ / Σᵤ nᵤ and
+    G = Σᵤ Gᵤ.
+
+    `inputs` are `layer_outputs_vjp`'s layer inputs and `cotangents` the output
+    cotangents it pulls back (stacked vectors first). The uses of a shared weight
+    at every step of a kept scan are computed at once, from the scan's stacked
+    values, so the work does not grow with the number of steps.
+    """
+    batches: dict[tuple[int, int], list[LayerRecord]] = {}
+    for r in records:
+        x, y = r.inputs, r.outputs
+        key = (id(x.stacked), id(y.stacked)) if _steps(r) else (id(r), 0)
+        batches.setdefault(key, []).append(r)
+    parts = []
+    for batch in batches.values():
+        first = batch[0]
+        length = first.outputs.stacked.aval.shape[0]  # pyright: ignore
+        if len(batch) == length and len(batch) > 1 and first.kind in _POOLED:
+            parts.append(
+                _steps_factors(
+                    first,
+                    inputs.values[first.inputs.stacked],  # pyright: ignore
+                    cotangents[first.outputs.stacked],  # pyright: ignore
+                    with_bias,
+                    dtype,
+                    reduce_examples,
+                    max_factor_dim,
+                )
+            )
+            continue
+        for r in batch:
+            parts.append(
+                kronecker_factors(
+                    r,
+                    inputs[inputs.layers.index(r)],
+                    cotangents[r.outputs],
+                    with_bias,
+                    dtype,
+                    reduce_examples=reduce_examples,
+                    max_factor_dim=max_factor_dim,
+                )
+            )
+    total = sum(n for _, _, n in parts)
+    a = sum(a_u * (n / total) for a_u, _, n in parts)
+    g = sum(g_u for _, g_u, _ in parts)
+    return a, g  # pyright: ignore
+
+
+# The kinds whose input moments read a stacked input with the step axis as one
+# more location axis.
+_POOLED = frozenset({"dense", "embedding"})
+
+
+def _steps(record: LayerRecord) -> bool:
+    return isinstance(record.inputs, StepVar) and isinstance(record.outputs, StepVar)
+
+
+def _steps_factors(
+    record: LayerRecord,
+    x: Array,
+    g_stack: Array,
+    with_bias: bool,
+    dtype,
+    reduce_examples: int | None,
+    max_factor_dim: int | None,
+) -> tuple[Array, Array, int]:
+    """`kronecker_factors` of the uses at every step of a scan at once: `x` is
+    `(steps, *input)` and `g_stack` `(k, steps, *output)`. The step axis is the
+    first location axis; "reduce" then averages within each step and example."""
+    steps = x.shape[0]
+    g_flat = g_stack.reshape((-1,) + g_stack.shape[2:])
+    g = _output_factor(record, g_flat, reduce_examples, max_factor_dim)
+    if record.kind == "dense":
+        order = (0,) + tuple(1 + i for i in record.in_order)
+        record = dataclasses.replace(record, in_order=order)
+    reduce = None if reduce_examples is None else steps * reduce_examples
+    a, n = _input_factor(record, x, with_bias, dtype, reduce, max_factor_dim)
+    return a, g.astype(dtype), n
 
 
 def _patch_elements(record: LayerRecord) -> int:
@@ -287,7 +407,7 @@ def layer_outputs_vjp(
     coefs = processed.coefficients(s.inputs)
     # A scan step's input is read as the scan's stacked `ys` and sliced outside the
     # differentiated forward, so neither grows with the number of steps.
-    wanted = [a for a in points([r.inputs for r in layers if isinstance(r.inputs, PVar)])]
+    wanted = points([r.inputs for r in layers if isinstance(r.inputs, PVar)])
 
     def forward(p_leaves, perturb):
         ev = processed.run(list(p_leaves) + s.others + s.batch, perturb, reads=wanted)

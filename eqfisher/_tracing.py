@@ -18,7 +18,15 @@ from jaxtyping import Array, Float, PyTree
 from . import _compat, _objective
 from ._config import current_config
 from ._layers import LayerInfo, LayerRecord, detect, sources, unit_paths
-from ._program import Evaluation, Program, PVar, VarMap, evaluate, flatten
+from ._program import (
+    Evaluation,
+    Program,
+    PVar,
+    VarMap,
+    evaluate,
+    flatten,
+    points,
+)
 from .losses import AbstractLossFamily, loss_tag_p, loss_value_tag_p
 
 
@@ -147,13 +155,21 @@ class ProcessedTrace:
         return leaves[leaf][index] if index else leaves[leaf]
 
     def run(
-        self, inputs, perturbations: VarMap | None = None, *, full: bool = False
+        self,
+        inputs,
+        perturbations: VarMap | None = None,
+        *,
+        full: bool = False,
+        reads: Sequence[Any] = (),
     ) -> Evaluation:
+        """Runs the program; `reads` are the scan-body variables (`StepVar`s) the
+        caller reads from the result."""
         return evaluate(
             self.program,
             inputs,
             perturbations,
             stop_after_tags=None if full else self.num_tags,
+            reads=reads,
         )
 
     def coefficients(self, inputs: Sequence[Any]) -> tuple[Array, ...]:
@@ -444,17 +460,19 @@ class _LayerVjp:
         s = split(model, batch)
         processed = self.traced.trace(s)
         layers = processed.layers
-        points = list({id(r.outputs): r.outputs for r in layers}.values())
+        reads = [v for r in layers for v in (r.inputs, r.outputs)]
 
         coefs = processed.coefficients(s.inputs)
 
         def forward(p_leaves, perturb):
-            ev = processed.run(list(p_leaves) + s.others + s.batch, perturb)
+            ev = processed.run(
+                list(p_leaves) + s.others + s.batch, perturb, reads=reads
+            )
             tag_inputs = tuple(t[0] for t in ev.tags)
             primals = tuple((ev.read(r.inputs), ev.read(r.outputs)) for r in layers)
             return tag_inputs, (processed.losses(ev, coefs), primals)
 
-        zero = VarMap.zeros(points)
+        zero = VarMap.zeros(points([r.outputs for r in layers]))
         _, vjp, (losses, primals) = jax.vjp(forward, s.params, zero, has_aux=True)
 
         def vjp_fn(loss_tangents):

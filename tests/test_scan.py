@@ -269,13 +269,26 @@ def test_shared_cell_is_one_layer_used_at_every_step():
         np.testing.assert_allclose(curv.as_matrix(), expected, atol=1e-12)
 
 
-def test_long_scans_are_not_unrolled():
+def test_kept_scans_have_no_length_limit():
+    # A scan over stacked leaves stays a scan: `max_unroll` does not apply to it.
     model, batch = Scanned(jax.random.key(0)), _data((D,))
     with ef.configure(max_unroll=2):
         report = ef.find_layers(ce, model, batch)
+    assert [li.name for li in report.layers] == NAMES["scanned"]
+    assert report.unmatched == ()
+
+
+def test_long_unrolled_scans_are_not_unrolled():
+    # Nested scans over stacked leaves are unrolled (the inner one), up to
+    # `max_unroll` steps; a longer inner scan stays opaque inside the outer one.
+    model, batch = Nested(jax.random.key(0)), _data((D,))
+    with ef.configure(max_unroll=1):
+        report = ef.find_layers(ce, model, batch)
         curv = ef.curvature(ce, model, batch, estimator=ef.GGN(), structure=ef.Dense())
     assert [li.name for li in report.layers] == ["head"]
-    assert report.unmatched == (".layers.weight", ".layers.bias")
+    assert report.unmatched == tuple(
+        f".layers.{leaf}[{k}]" for leaf in ("weight", "bias") for k in range(2)
+    )
     assert all("not unrolled" in r for r in report.reasons)
     np.testing.assert_allclose(curv.as_matrix(), _ggn(model, batch), atol=1e-12)
 
