@@ -122,6 +122,17 @@ def problem(name: str, key):
 PROBLEMS = ("digits-std", "digits-16", "autoencoder", "cnn", "diabetes")
 
 
+def minibatches(n: int, max_steps: int, seed: int):
+    """The minibatch sequence every run of a problem shares: `(indices, keys)`,
+    `max_steps` rows of min(256, n) example indices drawn without replacement, and
+    a key per step."""
+    rng = np.random.default_rng(seed)
+    indices = jnp.asarray(
+        np.stack([rng.choice(n, min(256, n), replace=False) for _ in range(max_steps)])
+    )
+    return indices, jax.random.split(jax.random.key(seed + 1), max_steps)
+
+
 def make_steps(kind, model, x, y, loss_fn, sample, key, options):
     """`(init_state, step)`; `step(params, state, idx, key, lr)` is jitted once."""
     params, static = eqx.partition(model, eqx.is_inexact_array)
@@ -187,13 +198,7 @@ def run(name, kind, lrs, options, max_steps, seed, verbose=True):
     key = jax.random.key(seed)
     model, x, y, loss_fn, target = problem(name, key)
     params, static = eqx.partition(model, eqx.is_inexact_array)
-    n = x.shape[0]
-    batch = min(256, n)
-    rng = np.random.default_rng(seed)
-    indices = jnp.asarray(
-        np.stack([rng.choice(n, batch, replace=False) for _ in range(max_steps)])
-    )
-    keys = jax.random.split(jax.random.key(seed + 1), max_steps)
+    indices, keys = minibatches(x.shape[0], max_steps, seed)
     full_loss = eqx.filter_jit(lambda p: loss_fn(eqx.combine(p, static), (x, y)))
     sample = (x[indices[0]], y[indices[0]])
     state0, step = make_steps(

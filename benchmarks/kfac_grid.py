@@ -20,7 +20,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kfac_defaults import KFAC_LRS, PROBLEMS, problem
+from kfac_defaults import KFAC_LRS, PROBLEMS, minibatches, problem
 
 import eqfisher as ef
 
@@ -37,13 +37,7 @@ def trajectories(name, period, inverse_every, configs, max_steps, seed):
     key = jax.random.key(seed)
     model, x, y, loss_fn, target = problem(name, key)
     params, static = eqx.partition(model, eqx.is_inexact_array)
-    n = x.shape[0]
-    batch = min(256, n)
-    rng = np.random.default_rng(seed)
-    indices = jnp.asarray(
-        np.stack([rng.choice(n, batch, replace=False) for _ in range(max_steps)])
-    )
-    keys = jax.random.split(jax.random.key(seed + 1), max_steps)
+    indices, keys = minibatches(x.shape[0], max_steps, seed)
     estimator, structure = ef.FisherMC(samples=1), ef.KFAC()
     vgc = ef.value_grad_and_curvature(loss_fn, estimator=estimator, structure=structure)
     like = ef.optim.curvature_like(vgc, model, (x[indices[0]], y[indices[0]]), key=key)
