@@ -5,6 +5,7 @@ minor versions. It exists so that tests and benchmarks need no private module
 (as `equinox.internal` does for Equinox).
 """
 
+from ._cli import main as main  # the `eqfisher` console script, with its argv
 from ._layers import LayerRecord as LayerRecord, detect as detect
 from ._patches import conv_patches as conv_patches
 from ._tracing import (

@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from eqfisher import _cli
+from eqfisher import internal
 
 
 def test_demo_smoke(tmp_path, capsys):
@@ -12,7 +12,7 @@ def test_demo_smoke(tmp_path, capsys):
     # suite's float64 and strict promotion (optax's Adam mixes dtypes under them).
     with jax.enable_x64(False), jax.numpy_dtype_promotion("standard"):
         argv = ["demo", "--steps", "12", "--out", str(out), "--seed", "1"]
-        assert _cli.main(argv) == 0
+        assert internal.main(argv) == 0
     text = capsys.readouterr().out
     assert "K-FAC (eqfisher)" in text and "Adam" in text
     assert "steps to loss 0.05" in text and "test acc" in text
@@ -22,5 +22,5 @@ def test_demo_smoke(tmp_path, capsys):
 
 def test_demo_rejects_bad_steps(capsys):
     with pytest.raises(SystemExit):
-        _cli.main(["demo", "--steps", "0"])
+        internal.main(["demo", "--steps", "0"])
     assert "--steps must be positive" in capsys.readouterr().err
