@@ -33,6 +33,9 @@ PAGES = (
     "optim.md",
     "filters.md",
     "layers.md",
+    "examples.md",
+    "design.md",
+    "project.md",
 )
 # Characters of formulas, never of prose: operators, super- and subscripts, and the
 # Greek letters the pages use as symbols. (×, −, · and → also occur in prose:
