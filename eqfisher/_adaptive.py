@@ -32,13 +32,7 @@ class QuadraticModel:
 
     def gram(self, vectors: list[PyTree]) -> Float[Array, "k k"]:
         """vᵢᵀ G vⱼ for the exact GGN G, from one GGN product per vector."""
-        products = [self._ggn.mv(v) for v in vectors]
-        return jnp.stack(
-            [
-                jnp.stack([optax.tree_utils.tree_vdot(u, gv) for gv in products])
-                for u in vectors
-            ]
-        )
+        return _vdots(vectors, [self._ggn.mv(v) for v in vectors])
 
     def loss(self, params: PyTree) -> Float[Array, ""]:
         """`loss_fn` on the batch, at other parameters."""
@@ -76,16 +70,7 @@ def adaptive_steps(
     omega = (19.0 / 20.0) ** adapt_every
 
     def init(params):
-        leaves = jax.tree.leaves(params)
-        # The damping in the statistics' dtype: at least float32.
-        dtype = leaves[0].dtype if leaves else jnp.dtype(jnp.float32)
-        dtype = jnp.float32 if jnp.finfo(dtype).bits < 32 else dtype
-        return AdaptiveState(
-            jnp.asarray(initial_damping, dtype),
-            jax.tree.map(jnp.zeros_like, params),
-            jnp.zeros((), jnp.int32),
-            jnp.asarray(jnp.nan, dtype),
-        )
+        return _initial_state(params, initial_damping)
 
     def update(updates, state, params=None, *, quadratic=None, grads=None, **extra):
         del extra
@@ -95,41 +80,14 @@ def adaptive_steps(
                 " model, batch)` in `update(...)`."
             )
         delta, prev = updates, state.previous
-        lam = state.damping
-        gram = quadratic.gram([delta, prev])
-        gram = gram + lam * jnp.array(
-            [
-                [
-                    optax.tree_utils.tree_vdot(delta, delta),
-                    optax.tree_utils.tree_vdot(delta, prev),
-                ],
-                [
-                    optax.tree_utils.tree_vdot(prev, delta),
-                    optax.tree_utils.tree_vdot(prev, prev),
-                ],
-            ]
-        ).astype(gram.dtype)
-        b = jnp.stack(
-            [
-                optax.tree_utils.tree_vdot(grads, delta),
-                optax.tree_utils.tree_vdot(grads, prev),
-            ]
-        ).astype(gram.dtype)
-        first = state.count == 0
-        # First step: no previous update, so only α (μ = 0).
-        alpha_only = -b[0] / gram[0, 0]
-        coeffs = jnp.linalg.solve(
-            jnp.where(first, jnp.eye(2, dtype=gram.dtype), gram), -b
-        )
-        alpha = jnp.where(first, alpha_only, coeffs[0])
-        mu = jnp.where(first, 0.0, coeffs[1])
+        gram, b = _damped_system(quadratic, grads, delta, prev, state.damping)
+        alpha, mu = _coefficients(gram, b, first=state.count == 0)
         step = jax.tree.map(lambda d, p: alpha * d + mu * p, delta, prev)
-        x = jnp.stack([alpha, mu])
-        reduction = 0.5 * jnp.dot(b, x)  # M(δ) − M(0) at the minimiser: −½ bᵀA⁻¹b
+        # M(δ) − M(0) at the minimiser: −½ bᵀA⁻¹b
+        reduction = 0.5 * jnp.dot(b, jnp.stack([alpha, mu]))
 
         def adapt(lam):
-            new_params = jax.tree.map(lambda p, s: p + s, params, step)
-            rho = (quadratic.loss(new_params) - quadratic.loss(params)) / reduction
+            rho = _reduction_ratio(quadratic, params, step, reduction)
             lam = jnp.where(rho > 0.75, lam * omega, lam)
             lam = jnp.where(rho < 0.25, lam / omega, lam)
             lam = jnp.clip(lam, min_damping, max_damping)
@@ -140,8 +98,56 @@ def adaptive_steps(
             (state.count + 1) % adapt_every == 0,
             adapt,
             lambda lam: (jnp.array(lam, dtype=lam.dtype), state.rho),
-            lam,
+            state.damping,
         )
         return step, AdaptiveState(lam, step, state.count + 1, rho)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _vdots(us: list[PyTree], vs: list[PyTree]) -> Array:
+    """The matrix of dot products uᵢᵀvⱼ."""
+    return jnp.stack(
+        [jnp.stack([optax.tree_utils.tree_vdot(u, v) for v in vs]) for u in us]
+    )
+
+
+def _initial_state(params: PyTree, initial_damping: float) -> AdaptiveState:
+    """No previous update; the damping in the statistics' dtype (at least
+    float32)."""
+    leaves = jax.tree.leaves(params)
+    dtype = leaves[0].dtype if leaves else jnp.dtype(jnp.float32)
+    dtype = jnp.float32 if jnp.finfo(dtype).bits < 32 else dtype
+    return AdaptiveState(
+        jnp.asarray(initial_damping, dtype),
+        jax.tree.map(jnp.zeros_like, params),
+        jnp.zeros((), jnp.int32),
+        jnp.asarray(jnp.nan, dtype),
+    )
+
+
+def _damped_system(
+    quadratic: QuadraticModel, grads: PyTree, delta: PyTree, prev: PyTree, lam
+) -> tuple[Array, Array]:
+    """The quadratic model over `α Δ + μ δ₋₁` as `(A, b)`: A = [Δ, δ₋₁]ᵀ(G + λI)
+    [Δ, δ₋₁] and b = [Δ, δ₋₁]ᵀg."""
+    gram = quadratic.gram([delta, prev])
+    gram = gram + lam * _vdots([delta, prev], [delta, prev]).astype(gram.dtype)
+    b = _vdots([grads], [delta, prev])[0].astype(gram.dtype)
+    return gram, b
+
+
+def _coefficients(gram: Array, b: Array, first) -> tuple[Array, Array]:
+    """`(α, μ)` minimising the quadratic model; at the first step there is no
+    previous update, so only α (μ = 0)."""
+    alpha_only = -b[0] / gram[0, 0]
+    coeffs = jnp.linalg.solve(jnp.where(first, jnp.eye(2, dtype=gram.dtype), gram), -b)
+    return jnp.where(first, alpha_only, coeffs[0]), jnp.where(first, 0.0, coeffs[1])
+
+
+def _reduction_ratio(
+    quadratic: QuadraticModel, params: PyTree, step: PyTree, reduction
+) -> Array:
+    """ρ: the loss's change by `step` over the quadratic model's."""
+    new_params = jax.tree.map(lambda p, s: p + s, params, step)
+    return (quadratic.loss(new_params) - quadratic.loss(params)) / reduction
