@@ -43,7 +43,10 @@ class AbstractLossFamily(eqx.Module):
     def sqrt_hessian(
         self, inputs: Float[Array, "*leading out"]
     ) -> Float[Array, "*leading out k"]:
-        """A factor S with S Sᵀ = the per-example Hessian of the loss in its inputs."""
+        r"""A factor $S$ with $S S^\top = H$, the per-example Hessian of the loss.
+
+        $H$ is the Hessian with respect to `inputs`.
+        """
 
     @abc.abstractmethod
     def check_targets(self, inputs: Array, targets: Array, caller: str) -> None:
@@ -145,7 +148,10 @@ class Bernoulli(AbstractLossFamily):
 
 
 class Gaussian(AbstractLossFamily):
-    """Squared error ½‖y − t‖², the negative log-likelihood of a unit Gaussian."""
+    r"""Squared error $\frac{1}{2} \lVert y - t \rVert^2$.
+
+    It is the negative log-likelihood of a unit Gaussian.
+    """
 
     name = "gaussian"
 
@@ -200,7 +206,7 @@ def register_loss(
     *,
     caller: str = "eqfisher.register_loss",
 ) -> Float[Array, ""]:
-    """Registers a loss of the given family on `inputs` and returns its scalar value.
+    r"""Registers a loss of the given family on `inputs` and returns its scalar value.
 
     **Arguments:**
 
@@ -208,7 +214,7 @@ def register_loss(
     - `inputs`: the model outputs, shape `(*leading, outputs)`.
     - `targets`: what the family expects (class ids, probabilities, values).
     - `mask`: optional per-example weights of shape `leading` (e.g. 0 for padding
-      tokens); the value is then Σ mask·ℓ / Σ mask.
+      tokens); the value is then $\sum \text{mask} \cdot \ell / \sum \text{mask}$.
 
     **Returns:**
 
@@ -289,7 +295,7 @@ def sigmoid_cross_entropy(
     *,
     mask: Float[ArrayLike, "*leading"] | Bool[ArrayLike, "*leading"] | None = None,
 ) -> Float[Array, ""]:
-    """Sigmoid (binary) cross-entropy summed over outputs, registered for curvature.
+    r"""Sigmoid (binary) cross-entropy summed over outputs, registered for curvature.
 
     **Arguments:**
 
@@ -299,7 +305,7 @@ def sigmoid_cross_entropy(
 
     **Returns:**
 
-    The mean over every leading axis of Σ_outputs BCE.
+    The mean over every leading axis of $\sum_{\text{outputs}} \text{BCE}$.
     """
     return register_loss(
         Bernoulli(), logits, targets, mask, caller="eqfisher.sigmoid_cross_entropy"
@@ -312,7 +318,9 @@ def squared_error(
     *,
     mask: Float[ArrayLike, "*leading"] | Bool[ArrayLike, "*leading"] | None = None,
 ) -> Float[Array, ""]:
-    """½‖predictions − targets‖² per example, registered for curvature.
+    r"""$\frac{1}{2} \lVert \text{predictions} - \text{targets} \rVert^2$ per example.
+
+    Registered for curvature.
 
     **Arguments:**
 
@@ -323,8 +331,9 @@ def squared_error(
 
     **Returns:**
 
-    The mean over every leading axis of ½ Σ_outputs (predictions − targets)²
-    (a unit-variance Gaussian negative log-likelihood up to a constant).
+    The mean over every leading axis of
+    $\frac{1}{2} \sum_{\text{outputs}} (\text{predictions} - \text{targets})^2$ (a
+    unit-variance Gaussian negative log-likelihood up to a constant).
 
     **Raises:**
 

@@ -2,7 +2,7 @@
 
 Formulas are written as `$...$` (inline) and `$$...$$` (display) for
 pymdownx.arithmatex and the KaTeX copy served from docs/assets/katex. These tests
-read the Markdown sources:
+read the Markdown sources, and the public docstrings that docs/api.md renders:
 
 - outside code and maths, no character that only a formula uses (⊗, ⁻¹, ᵀ, ‖, Σ,
   √, θ, λ, ...), so no formula is left in plain Unicode;
@@ -10,10 +10,12 @@ read the Markdown sources:
 - the Kronecker order inside the maths is the code's, G ⊗ A.
 """
 
+import inspect
 import pathlib
 import re
 
 import pytest
+from test_docs import _documented_objects
 
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -88,7 +90,11 @@ def test_no_unicode_formulas(name):
 
 @pytest.mark.parametrize("name", PAGES)
 def test_dollars_are_balanced(name):
-    text = _page(name)
+    _check_dollars(name, _page(name))
+
+
+def _check_dollars(name: str, text: str) -> None:
+    """`text` is Markdown without code; `name` says where it comes from."""
     # Display maths is a paragraph of its own: `$$` opens and closes on lines of
     # their own, with a blank line before and after.
     for m in _DISPLAY.finditer(text):
@@ -115,10 +121,15 @@ def test_arithmatex_reads_every_formula(name):
     # The page through the Markdown extensions of mkdocs.yml that place maths:
     # every formula found above becomes one arithmatex element (inside lists,
     # tables and admonitions too), and no `$` is left in the text.
+    _check_arithmatex(name, (ROOT / "docs" / name).read_text())
+
+
+def _check_arithmatex(name: str, source: str) -> None:
+    """`source` is Markdown with its code; `name` says where it comes from."""
     markdown = pytest.importorskip("markdown")
     pytest.importorskip("pymdownx", reason="the docs extra")
     # Code blocks (some run by markdown-exec at build time) become a placeholder.
-    source = _FENCE.sub(r"\1code", (ROOT / "docs" / name).read_text())
+    source = _FENCE.sub(r"\1code", source)
     html = markdown.markdown(
         source,
         extensions=["admonition", "md_in_html", "tables", "pymdownx.arithmatex"],
@@ -135,8 +146,12 @@ def test_arithmatex_reads_every_formula(name):
 def test_maths_kronecker_order(name):
     # test_docs.py checks the literal "A \otimes G"; this catches the same order
     # with factors' eigenbases, inverses and damping (Q_A \otimes Q_G, ...).
+    _check_kronecker_order(name, _page(name))
+
+
+def _check_kronecker_order(name: str, text: str) -> None:
     bad = re.compile(r"A\b[^\\]*?\\otimes\s*\(?\s*(?:[QS]_)?G\b")
-    for formula in _maths(_page(name)):
+    for formula in _maths(text):
         for term in re.split(r"[=,;]|\\q?quad", formula):
             assert not bad.search(term), f"{name}: {term!r}; write G \\otimes A"
 
@@ -147,3 +162,119 @@ def test_the_checks_see_formulas():
     assert _maths(text) == ["\nx^\\top y\n", "G \\otimes A"]
     assert FORMULA_CHARS & set(_prose(_without_code(text))) == {"θ", "⁻", "¹"}
     assert not _INLINE.search("costs $ 5 and $ 6")
+
+
+# --- docstrings ---------------------------------------------------------------------
+#
+# docs/api.md renders the public docstrings (mkdocstrings, with the same arithmatex),
+# so their formulas are KaTeX too: in prose, not in ```python examples or `code`.
+
+# Source files whose docstrings still have Unicode formulas, relative to the
+# repository root. Empty it as they are converted, and keep it empty.
+UNICODE_DOCSTRINGS = frozenset(
+    {
+        "eqfisher/_adaptive.py",
+        "eqfisher/_curvature.py",
+        "eqfisher/_damping.py",
+        "eqfisher/_estimators.py",
+        "eqfisher/_products.py",
+        "eqfisher/_structures.py",
+        "eqfisher/_tracing.py",
+        "eqfisher/blocks/_base.py",
+        "eqfisher/blocks/diagonal.py",
+        "eqfisher/blocks/eigen_kronecker.py",
+        "eqfisher/blocks/full.py",
+        "eqfisher/blocks/kronecker.py",
+        "eqfisher/influence.py",
+        "eqfisher/laplace/_blockwise.py",
+        "eqfisher/laplace/_calibration.py",
+        "eqfisher/laplace/_marglik.py",
+        "eqfisher/laplace/_posterior.py",
+        "eqfisher/laplace/_predictive.py",
+        "eqfisher/optim.py",
+        "eqfisher/spectral/_density.py",
+        "eqfisher/spectral/_eigen.py",
+        "eqfisher/spectral/_norm.py",
+        "eqfisher/spectral/_trace.py",
+    }
+)
+
+
+def _source(obj) -> str:
+    """The file that defines `obj`, relative to the repository root."""
+    obj = obj.fget if isinstance(obj, property) else obj
+    obj = inspect.unwrap(obj)  # functools.wraps, singledispatch, eqx.filter_jit
+    try:
+        path = inspect.getsourcefile(obj)
+    except TypeError:  # a callable instance
+        path = inspect.getsourcefile(type(obj))
+    return pathlib.Path(path).resolve().relative_to(ROOT).as_posix()
+
+
+def _docstrings() -> list[tuple[str, str, str]]:
+    """(qualified name, source file, docstring) of every public object."""
+    out = []
+    for qual, obj in _documented_objects():
+        doc = inspect.getdoc(obj)
+        if doc:
+            out.append((qual, _source(obj), doc))
+    return out
+
+
+DOCSTRINGS = _docstrings()
+
+
+def _unicode_formulas(doc: str) -> list[str]:
+    return [
+        line.strip()
+        for line in _prose(_without_code(doc)).splitlines()
+        if FORMULA_CHARS & set(line)
+    ]
+
+
+def test_docstrings_have_no_unicode_formulas():
+    found = [
+        f"{qual} ({path}): {line}"
+        for qual, path, doc in DOCSTRINGS
+        if path not in UNICODE_DOCSTRINGS
+        for line in _unicode_formulas(doc)
+    ]
+    assert not found, "formulas in Unicode, write them as $...$:\n" + "\n".join(found)
+
+
+def test_docstring_allowlist_is_current():
+    # A file leaves UNICODE_DOCSTRINGS once its docstrings are converted.
+    paths = {path for _, path, _ in DOCSTRINGS}
+    assert UNICODE_DOCSTRINGS <= paths, UNICODE_DOCSTRINGS - paths
+    left = {path for _, path, doc in DOCSTRINGS if _unicode_formulas(doc)}
+    assert UNICODE_DOCSTRINGS <= left, (
+        f"no Unicode formula left, remove from UNICODE_DOCSTRINGS: "
+        f"{sorted(UNICODE_DOCSTRINGS - left)}"
+    )
+
+
+def test_docstring_dollars_are_balanced():
+    for qual, _, doc in DOCSTRINGS:
+        _check_dollars(qual, _without_code(doc))
+
+
+def test_arithmatex_reads_every_docstring_formula():
+    for qual, _, doc in DOCSTRINGS:
+        _check_arithmatex(qual, doc)
+
+
+def test_docstring_maths_kronecker_order():
+    for qual, _, doc in DOCSTRINGS:
+        _check_kronecker_order(qual, _without_code(doc))
+
+
+def test_the_docstring_checks_see_formulas():
+    # The docstrings are found, with their files, and the maths in them is read.
+    assert len(DOCSTRINGS) > 100
+    paths = {path for _, path, _ in DOCSTRINGS}
+    assert {"eqfisher/losses.py", "eqfisher/blocks/kronecker.py"} <= paths
+    maths = [f for _, _, doc in DOCSTRINGS for f in _maths(_without_code(doc))]
+    assert r"S S^\top = H" in maths
+    # Code in a docstring is not prose: an example's comment may use Unicode.
+    doc = "A $\\lambda$ step.\n\n```python\nx = 1  # (B + λI)⁻¹ v\n```\n"
+    assert not _unicode_formulas(doc) and _unicode_formulas("(B + λI)⁻¹ v")
