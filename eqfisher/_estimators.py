@@ -74,10 +74,10 @@ def _sqrt_weights(loss: RegisteredLoss) -> Array:
 
 
 class GGN(AbstractEstimator):
-    """The generalised Gauss-Newton matrix (1/N) Σₙ Jₙᵀ Hₙ Jₙ, Hₙ the loss Hessian.
+    r"""The generalised Gauss-Newton matrix $\frac{1}{N} \sum_n J_n^\top H_n J_n$.
 
-    Uses a square-root factor of each Hₙ (one output vector per output coordinate),
-    batched over coordinates.
+    $H_n$ is the loss Hessian. Uses a square-root factor of each $H_n$ (one output
+    vector per output coordinate), batched over coordinates.
 
     !!! Example
 
@@ -180,9 +180,10 @@ class FisherMC(AbstractEstimator):
 
 
 class EmpiricalFisher(AbstractEstimator):
-    """Σₙ wₙ ∇ℓₙ ∇ℓₙᵀ: outer products of per-example gradients at the data targets.
+    r"""$\sum_n w_n \nabla \ell_n \nabla \ell_n^\top$: outer products of gradients.
 
-    Not the Fisher: it uses the data's labels, not targets drawn from the model.
+    The per-example gradients are taken at the data targets. Not the Fisher: it uses
+    the data's labels, not targets drawn from the model.
 
     !!! Example
 

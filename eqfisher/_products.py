@@ -52,7 +52,7 @@ def _output_product(
 def ggn_operator(
     loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]], model: PyTree, batch: PyTree
 ) -> lx.FunctionLinearOperator:
-    """The exact GGN Σₙ wₙ Jₙᵀ Hₙ Jₙ as a matrix-free lineax operator.
+    r"""The exact GGN $\sum_n w_n J_n^\top H_n J_n$ as a matrix-free lineax operator.
 
     One Jacobian-vector product, the loss Hessians, and one vector-Jacobian product
     per `mv`; symmetric and positive-semidefinite, so `lineax.CG` works on it (add
@@ -87,11 +87,12 @@ def ggn_operator(
 def empirical_fisher_operator(
     loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]], model: PyTree, batch: PyTree
 ) -> lx.FunctionLinearOperator:
-    """The exact empirical Fisher Σₙ wₙ ∇ℓₙ ∇ℓₙᵀ, matrix-free.
+    r"""The exact empirical Fisher, matrix-free.
 
-    The outer products of the per-example loss gradients at the batch's targets; a
-    symmetric, positive-semidefinite lineax operator on PyTrees like `eqx.filter(
-    model, eqx.is_inexact_array)`.
+    $\sum_n w_n \nabla \ell_n \nabla \ell_n^\top$, the outer products of the
+    per-example loss gradients at the batch's targets; a symmetric,
+    positive-semidefinite lineax operator on PyTrees like `eqx.filter(model,
+    eqx.is_inexact_array)`.
 
     **Raises:**
 

@@ -176,8 +176,6 @@ UNICODE_DOCSTRINGS = frozenset(
         "eqfisher/_adaptive.py",
         "eqfisher/_curvature.py",
         "eqfisher/_damping.py",
-        "eqfisher/_estimators.py",
-        "eqfisher/_products.py",
         "eqfisher/_structures.py",
         "eqfisher/_tracing.py",
         "eqfisher/blocks/_base.py",
