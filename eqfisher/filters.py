@@ -32,6 +32,19 @@ class AbstractFilter(eqx.Module):
     key path (as from `jax.tree_util.tree_flatten_with_path`) and `nodes` the nodes
     it walks through, from the model down to the leaf's parent (`path[i]` indexes
     into `nodes[i]`). Filters are evaluated on a model by [`eqfisher.filters.mask`][].
+
+    !!! Example
+
+        ```python
+        class Matrices(ef.filters.AbstractFilter):  # leaves with two or more axes
+            def __call__(self, path, leaf, nodes):
+                return eqx.is_array(leaf) and leaf.ndim >= 2
+
+        where = Matrices() & ~ef.filters.by_path("layers[1].*")
+        selected = ef.filters.mask(model, where)
+        assert selected.layers[0].weight and not selected.layers[0].bias
+        assert not selected.layers[1].weight
+        ```
     """
 
     @abc.abstractmethod
@@ -164,6 +177,14 @@ def by_type(cls: type) -> AbstractFilter:
     **Returns:**
 
     An [`eqfisher.filters.AbstractFilter`][].
+
+    !!! Example
+
+        ```python
+        net = eqx.nn.Sequential([eqx.nn.Linear(4, 8, key=key), eqx.nn.LayerNorm(8)])
+        norm = ef.filters.mask(net, ef.filters.by_type(eqx.nn.LayerNorm))
+        print(norm.layers[1].weight, norm.layers[0].weight)  # True False
+        ```
     """
     if not isinstance(cls, type):
         raise TypeError(
@@ -229,6 +250,14 @@ def params(model: PyTree) -> PyTree:
     **Returns:**
 
     `model` with every leaf that is not an inexact array replaced by `None`.
+
+    !!! Example
+
+        ```python
+        p = ef.filters.params(model)
+        print(p.activation)  # None: a function is not a parameter
+        print(sum(leaf.size for leaf in jax.tree.leaves(p)))  # 67 = 8·4 + 8 + 3·8 + 3
+        ```
     """
     return eqx.filter(model, eqx.is_inexact_array)
 
@@ -246,6 +275,15 @@ def mask(model: PyTree, where: AbstractFilter | PyTree) -> PyTree[bool]:
     A PyTree of `bool`s with the structure of `model`: `True` for each parameter
     `where` selects, `False` for every other leaf. A `where` selecting no parameter
     raises a `ValueError`.
+
+    !!! Example
+
+        ```python
+        weights = ef.filters.mask(model, ef.filters.by_path("*.weight"))
+        assert weights.layers[0].weight and not weights.layers[0].bias
+        print([w.shape for w in jax.tree.leaves(eqx.filter(model, weights))])
+        # [(8, 4), (3, 8)]
+        ```
     """
     return _mask(model, where, "mask(model, where)", "where")
 
@@ -266,6 +304,14 @@ def partition(model: PyTree, *wheres: AbstractFilter | PyTree) -> tuple[PyTree, 
     **Returns:**
 
     A tuple of PyTrees with the structure of `model`, unselected leaves `None`.
+
+    !!! Example
+
+        ```python
+        first, rest = ef.filters.partition(model, ef.filters.by_path("layers[0].*"))
+        print(first.layers[0].weight.shape, first.layers[1].weight)  # (8, 4) None
+        assert eqx.tree_equal(ef.filters.combine(first, rest), model)
+        ```
     """
     n = len(wheres)
     masks = [
@@ -300,6 +346,18 @@ def stop_gradient(model: PyTree, where: AbstractFilter | PyTree) -> PyTree:
     **Returns:**
 
     `model` with `jax.lax.stop_gradient` applied to the selected parameters.
+
+    !!! Example
+
+        ```python
+        def head_only(model, batch):  # the first layer is frozen
+            frozen = ef.filters.stop_gradient(model, ef.filters.by_path("layers[0].*"))
+            return loss_fn(frozen, batch)
+
+        g = eqx.filter_grad(head_only)(model, batch)
+        assert jnp.all(g.layers[0].weight == 0)
+        assert jnp.array_equal(g.layers[1].weight, grads.layers[1].weight)
+        ```
     """
     selected = _mask(model, where, "stop_gradient(model, where)", "where")
     return jtu.tree_map(
@@ -322,6 +380,17 @@ def optax_mask(model: PyTree, where: AbstractFilter | PyTree) -> PyTree[bool]:
 
     A PyTree with the structure of `params(model)` (non-parameters `None`) holding
     `True` for selected parameters and `False` for the others.
+
+    !!! Example
+
+        ```python
+        frozen = ef.filters.optax_mask(model, ef.filters.by_path("layers[0].*"))
+        opt = optax.chain(optax.sgd(0.1), optax.masked(optax.set_to_zero(), frozen))
+        updates, _ = opt.update(grads, opt.init(params), params)
+        new = eqx.apply_updates(model, updates)
+        assert jnp.array_equal(new.layers[0].weight, model.layers[0].weight)
+        assert not jnp.array_equal(new.layers[1].weight, model.layers[1].weight)
+        ```
     """
     selected = _mask(model, where, "optax_mask(model, where)", "where")
     return jtu.tree_map(

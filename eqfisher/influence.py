@@ -27,7 +27,22 @@ from ._curvature import Curvature
 
 
 class AbstractInverse(eqx.Module):
-    """A damped inverse curvature (H + λ·I)⁻¹ applied to gradient PyTrees."""
+    """A damped inverse curvature (H + λ·I)⁻¹ applied to gradient PyTrees.
+
+    !!! Example
+
+        ```python
+        class Scaled(ef.influence.AbstractInverse):  # H = 0: (λ·I)⁻¹
+            damping: float
+
+            def solve(self, vector):
+                return jax.tree.map(lambda v: v / self.damping, vector)
+
+        scaled = ef.influence.self_influence(loss_fn, model, batch, Scaled(2.0))
+        plain = ef.influence.self_influence(loss_fn, model, batch, ef.influence.Identity())
+        assert jnp.allclose(scaled, plain / 2.0)
+        ```
+    """
 
     @abc.abstractmethod
     def solve(self, vector: PyTree) -> PyTree:
@@ -44,7 +59,19 @@ class AbstractInverse(eqx.Module):
 
 
 class Identity(AbstractInverse):
-    """H = 0, λ = 1: scores are plain gradient dot products (TracIn at one point)."""
+    """H = 0, λ = 1: scores are plain gradient dot products (TracIn at one point).
+
+    !!! Example
+
+        ```python
+        scores = ef.influence.self_influence(
+            loss_fn, model, batch, ef.influence.Identity()
+        )
+        # With no curvature, an example's self-influence is its squared gradient norm.
+        g0 = eqx.filter_grad(loss_fn)(model, (x[:1], y[:1]))
+        print(scores[0], sum(jnp.vdot(g, g) for g in jax.tree.leaves(g0)))  # equal
+        ```
+    """
 
     def solve(self, vector: PyTree) -> PyTree:
         return vector
@@ -58,6 +85,17 @@ class CurvatureInverse(AbstractInverse):
     - `curvature`: a `Curvature` of the mean training loss (`Diagonal()`, `KFAC()`,
         `EKFAC()`, `Dense()`, ...), over the same `where` as the gradients.
     - `damping`: λ > 0.
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+        inverse = ef.influence.CurvatureInverse(curv, 0.1)
+        v = inverse.solve(grads)  # (C + 0.1·I)⁻¹ g
+        back = jax.tree.map(lambda cv, vi: cv + 0.1 * vi, curv.mv(v), v)
+        for p, g in zip(jax.tree.leaves(back), jax.tree.leaves(grads)):
+            assert jnp.allclose(p, g, rtol=1e-3, atol=1e-6)
+        ```
     """
 
     curvature: Curvature
@@ -84,6 +122,18 @@ class ConjugateGradient(AbstractInverse):
     - `operator`: a symmetric PSD lineax operator over the gradients' PyTree.
     - `damping`: λ > 0.
     - `rtol`, `atol`, `max_steps`: for `lineax.CG` (`atol` relative to ‖v‖∞/λ).
+
+    !!! Example
+
+        ```python
+        # Usually on the exact GGN (`ggn` in the setup); here on a K-FAC curvature,
+        # to compare with its exact block solves.
+        curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+        by_cg = ef.influence.ConjugateGradient(curv, 0.1).solve(grads)
+        exact = ef.influence.CurvatureInverse(curv, 0.1).solve(grads)
+        for p, q in zip(jax.tree.leaves(by_cg), jax.tree.leaves(exact)):
+            assert jnp.allclose(p, q, rtol=1e-3, atol=1e-5)
+        ```
     """
 
     operator: lx.AbstractLinearOperator
@@ -255,6 +305,18 @@ def self_influence(
     **Returns:**
 
     Scores of shape `(num_train,)`.
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+        inverse = ef.influence.CurvatureInverse(curv, 0.1)
+        scores = ef.influence.self_influence(loss_fn, model, batch, inverse)
+        print(scores.shape, jnp.argmax(scores))  # (32,) and the most self-influential
+        # The diagonal of the pairwise scores of the training set with itself.
+        pairs = ef.influence.influence_scores(loss_fn, model, batch, batch, inverse)
+        assert jnp.allclose(scores, jnp.diagonal(pairs), rtol=1e-4)
+        ```
     """
     grad = _gradient_fn(loss_fn, model, where)
 

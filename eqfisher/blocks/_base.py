@@ -30,6 +30,24 @@ class AbstractBlock(lx.AbstractLinearOperator):
     `damping` must be a positive scalar, `decay` a scalar in [0, 1], `c` a
     non-negative scalar: a concrete value out of range raises `ValueError`; a
     traced one is checked at run time with `eqx.error_if`.
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+        block = curv.blocks["layers[0]"]  # the 4 → 8 layer, a KroneckerFactored block
+        v = (grads.layers[0].weight, grads.layers[0].bias)  # its operand: (weight, bias)
+        print(block.as_matrix().shape)  # (40, 40): 8·4 weights, then 8 biases
+
+        # The same damped solve by lineax's CG, on the block as an operator.
+        damped = lx.TaggedLinearOperator(
+            block + 0.1 * lx.IdentityLinearOperator(block.in_structure()),
+            lx.positive_semidefinite_tag,
+        )
+        by_cg = lx.linear_solve(damped, v, lx.CG(rtol=1e-6, atol=1e-6)).value
+        exact = block.solve(v, 0.1)  # (B + 0.1·I)⁻¹ v
+        assert all(jnp.allclose(p, q, atol=1e-5) for p, q in zip(by_cg, exact))
+        ```
     """
 
     @abc.abstractmethod

@@ -24,6 +24,16 @@ class DiagonalBlock(AbstractBlock):
         leaf and shaped like it. The operand structure is read from it.
 
     `eigenvalues` are the ravelled diagonal (operand order, unsorted).
+
+    !!! Example
+
+        ```python
+        # A 3 → 1 layer: weight (1, 3), bias (1,); `structure=ef.Diagonal()` builds these.
+        block = ef.blocks.DiagonalBlock((jnp.array([[1.0, 2.0, 3.0]]), jnp.array([4.0])))
+        v = (jnp.ones((1, 3)), jnp.ones(1))
+        print(block.solve(v, 1.0))  # 1 / (d + 1): [[0.5, 0.333, 0.25]], [0.2]
+        print(block.logdet(1.0))  # log(2·3·4·5) = log 120 ≈ 4.787
+        ```
     """
 
     diag: tuple[Float[Array, "..."], ...]

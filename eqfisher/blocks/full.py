@@ -34,6 +34,19 @@ class Full(AbstractBlock):
     eigenvalues of B clamped at zero: the exact result for the nearest PSD matrix,
     finite for any positive damping. `eigenvalues` are in ascending order
     (`jnp.linalg.eigvalsh`).
+
+    !!! Example
+
+        ```python
+        weight, bias = jnp.zeros((2, 3)), jnp.zeros(2)  # a 3 → 2 layer: P = 8
+        root = jax.random.normal(key, (8, 8))
+        block = ef.blocks.Full(root @ root.T, (weight, bias))
+        v = (jnp.ones((2, 3)), jnp.arange(2.0))
+        # (B + ½·I)⁻¹ (B v + ½·v) = v
+        rhs = tuple(bv + 0.5 * x for bv, x in zip(block.mv(v), v))
+        assert all(jnp.allclose(u, x, atol=1e-4) for u, x in zip(block.solve(rhs, 0.5), v))
+        print(block.logdet(0.5))  # log det(B + ½·I), by Cholesky
+        ```
     """
 
     matrix: Float[Array, "size size"]

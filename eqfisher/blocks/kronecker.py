@@ -111,6 +111,21 @@ class KroneckerFactored(AbstractBlock):
         reuse them instead of calling `jnp.linalg.eigh`.
 
     `eigenvalues()` is `outer(eig(G), eig(A)).ravel()` (unsorted).
+
+    !!! Example
+
+        ```python
+        a = jnp.array([[2.0, 1.0, 0.0], [1.0, 2.0, 0.0], [0.0, 0.0, 1.0]])  # A: 3 inputs
+        g = jnp.array([[1.0, 0.5], [0.5, 1.0]])  # G: 2 outputs
+        weight = jnp.zeros((2, 3))  # eqx.nn.Linear(3, 2, use_bias=False): (out, in)
+        block = ef.blocks.KroneckerFactored(a, g, weight_perm=(0, 1), structure=(weight,))
+        assert jnp.allclose(block.as_matrix(), jnp.kron(g, a))  # B = G ⊗ A
+
+        m = jnp.arange(6.0).reshape(2, 3)
+        (bm,) = block.mv((m,))
+        assert jnp.allclose(bm, g @ m @ a)  # B vec(M) = vec(G M A)
+        print(block.eigenvalues())  # eig(G) = {0.5, 1.5} times eig(A) = {1, 1, 3}
+        ```
     """
 
     a: Float[Array, "d_in d_in"] | Float[Array, " d_in"]

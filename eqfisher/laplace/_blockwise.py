@@ -77,6 +77,20 @@ def sqrt_inverse_mv(
     """(scale·B + prior·I)^(-1/2) v, the symmetric square root, for one block type.
 
     Applied to a standard normal v it gives a sample of N(0, (scale·B + prior·I)⁻¹).
+    `Laplace.sample` uses it; a new block type registers its own implementation
+    with `eqfisher.laplace.sqrt_inverse_mv.register`.
+
+    !!! Example
+
+        ```python
+        root = jax.random.normal(key, (3, 3))
+        block = ef.blocks.Full(root @ root.T, (jnp.zeros(3),))
+        v = (jnp.ones(3),)
+        half = ef.laplace.sqrt_inverse_mv(block, v, 2.0, 0.5)
+        (twice,) = ef.laplace.sqrt_inverse_mv(block, half, 2.0, 0.5)
+        (inverse,) = block.solve(v, 0.5 / 2.0)  # (B + ¼·I)⁻¹ v = 2·(2·B + ½·I)⁻¹ v
+        assert jnp.allclose(twice, inverse / 2.0, rtol=1e-4)
+        ```
     """
     raise NotImplementedError(
         f"`eqfisher.laplace`: posterior samples are not implemented for blocks of type "

@@ -21,6 +21,15 @@ def negative_log_likelihood(
     **Returns:**
 
     A scalar.
+
+    !!! Example
+
+        ```python
+        probs = jnp.array([[0.5, 0.5], [0.9, 0.1]])
+        labels = jnp.array([0, 0])
+        print(ef.laplace.negative_log_likelihood(probs, labels))
+        # (−log 0.5 − log 0.9) / 2 ≈ 0.399
+        ```
     """
     tiny = jnp.finfo(probs.dtype).tiny
     return -jnp.mean(jnp.log(jnp.maximum(_picked(probs, labels), tiny)))
@@ -39,6 +48,15 @@ def brier_score(
     **Returns:**
 
     A scalar.
+
+    !!! Example
+
+        ```python
+        probs = jnp.array([[0.5, 0.5], [0.9, 0.1]])
+        labels = jnp.array([0, 0])
+        print(ef.laplace.brier_score(probs, labels))
+        # ((0.5² + 0.5²) + (0.1² + 0.1²)) / 2 = 0.26
+        ```
     """
     onehot = labels[:, None] == jnp.arange(probs.shape[-1], dtype=labels.dtype)[None, :]
     return jnp.mean(jnp.sum(jnp.square(probs - onehot.astype(probs.dtype)), axis=-1))
@@ -64,6 +82,16 @@ def expected_calibration_error(
     **Returns:**
 
     A scalar in [0, 1].
+
+    !!! Example
+
+        ```python
+        # Both predictions are right, at confidence 0.6 and 0.9.
+        probs = jnp.array([[0.6, 0.4], [0.9, 0.1]])
+        labels = jnp.array([0, 0])
+        print(ef.laplace.expected_calibration_error(probs, labels))
+        # (|1 − 0.6| + |1 − 0.9|) / 2 = 0.25: under-confident
+        ```
     """
     conf = jnp.max(probs, axis=-1)
     correct = (jnp.argmax(probs, axis=-1) == labels).astype(probs.dtype)

@@ -69,6 +69,22 @@ class Laplace(eqx.Module):
     - `temperature`: T.
     - `likelihood`: static; `"classification"` or `"regression"`.
     - `num_outputs`: static; the output size D (the Gaussian normaliser).
+
+    !!! Example
+
+        ```python
+        # What `ef.laplace.fit` builds, from a curvature of the mean loss.
+        curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+        la = ef.laplace.Laplace(
+            curv, model, loss=loss_fn(model, batch), num_data=32,
+            likelihood="classification", prior_precision=1.0,
+        )
+        back = la.covariance_mv(la.precision_mv(grads))  # Λ⁻¹ Λ g = g
+        for p, q in zip(jax.tree.leaves(back), jax.tree.leaves(grads)):
+            assert jnp.allclose(p, q, rtol=1e-3, atol=1e-6)
+        samples = la.sample(key, 100)
+        print(samples.layers[0].weight.shape)  # (100, 8, 4): 100 draws of the weight
+        ```
     """
 
     curvature: Curvature

@@ -45,6 +45,18 @@ def glm_predictive(
     **Returns:**
 
     `(mean, covariance)` of shapes `(batch, D)` and `(batch, D, D)`.
+
+    !!! Example
+
+        ```python
+        la = ef.laplace.fit(
+            loss_fn, model, batch, likelihood="classification", structure=ef.KFAC()
+        )
+        mean, cov = ef.laplace.glm_predictive(la, x[:5])
+        print(mean.shape, cov.shape)  # (5, 3) (5, 3, 3)
+        assert jnp.allclose(mean, jax.vmap(model)(x[:5]), atol=1e-6)  # f(x; θ*)
+        probs = ef.laplace.probit(mean, cov)  # class probabilities
+        ```
     """
     theta = posterior.mean
 
@@ -90,6 +102,17 @@ def predictive_samples(
     **Returns:**
 
     Outputs of shape `(num_samples, batch, D)`.
+
+    !!! Example
+
+        ```python
+        la = ef.laplace.fit(
+            loss_fn, model, batch, likelihood="classification", structure=ef.KFAC()
+        )
+        f = ef.laplace.predictive_samples(la, x[:5], key, 100)
+        print(f.shape)  # (100, 5, 3)
+        probs = ef.laplace.softmax_average(f)  # the Monte-Carlo predictive
+        ```
     """
     theta = posterior.mean
     samples = posterior.sample(key, num_samples)
@@ -121,6 +144,15 @@ def probit(
     **Returns:**
 
     Class probabilities.
+
+    !!! Example
+
+        ```python
+        mean = jnp.array([[2.0, 0.0, -2.0]])  # one input's logits
+        print(ef.laplace.probit(mean, jnp.zeros((1, 3, 3))))  # softmax(mean)
+        # Uncertain logits (variance 10 each) give less confident probabilities.
+        print(ef.laplace.probit(mean, 10 * jnp.eye(3)[None]))
+        ```
     """
     var = jnp.diagonal(covariance, axis1=-2, axis2=-1)
     return jax.nn.softmax(mean / jnp.sqrt(1 + math.pi / 8 * var), axis=-1)
@@ -140,6 +172,16 @@ def laplace_bridge(
     **Returns:**
 
     Class probabilities.
+
+    !!! Example
+
+        ```python
+        mean = jnp.array([[2.0, 0.0, -2.0]])  # one input's logits
+        sure = ef.laplace.laplace_bridge(mean, 0.1 * jnp.eye(3)[None])
+        unsure = ef.laplace.laplace_bridge(mean, jnp.diag(jnp.array([10.0, 0.1, 0.1]))[None])
+        print(sure, unsure)  # [[0.81 0.14 0.05]] [[0.68 0.24 0.08]]
+        # Variance on the leading logit lowers its probability.
+        ```
     """
     k = mean.shape[-1]
     row = jnp.sum(covariance, axis=-1)
@@ -164,5 +206,13 @@ def softmax_average(
     **Returns:**
 
     Class probabilities.
+
+    !!! Example
+
+        ```python
+        # Two samples of one input's logits that disagree: the average is unsure.
+        samples = jnp.array([[[4.0, 0.0]], [[0.0, 4.0]]])  # (samples, batch, classes)
+        print(ef.laplace.softmax_average(samples))  # [[0.5, 0.5]]
+        ```
     """
     return jnp.mean(jax.nn.softmax(samples, axis=-1), axis=0)

@@ -36,6 +36,20 @@ class Quadrature(eqx.Module):
 
     - `nodes`: `(repeats, iterations)`, the Ritz values of each run.
     - `weights`: `(repeats, iterations)`, non-negative, each row summing to one.
+
+    !!! Example
+
+        ```python
+        # The rule of one run on an operator with eigenvalues 1, 2, ..., 10 from a
+        # vector with equal weight on each eigenvector, as
+        # `ef.spectral.lanczos_quadrature(..., iterations=10)` would return it.
+        q = ef.spectral.Quadrature(
+            nodes=jnp.arange(1.0, 11.0)[None], weights=jnp.full((1, 10), 0.1)
+        )
+        print(jnp.mean(jnp.sum(q.weights * q.nodes, axis=1)))  # 5.5 = tr(A)/size
+        grid, density = q.density(points=400, margin=0.2)
+        print(jnp.sum(density) * (grid[1] - grid[0]))  # ≈ 1: a probability density
+        ```
     """
 
     nodes: Float[Array, "repeats m"]
