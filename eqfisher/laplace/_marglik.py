@@ -1,5 +1,6 @@
 """Tuning the prior precision (and noise) by the Laplace marginal likelihood."""
 
+import functools
 from collections.abc import Callable
 
 import equinox as eqx
@@ -38,6 +39,18 @@ def optimize_hyperparameters(
 
     `(posterior, history)`: the tuned `Laplace` and the log marginal likelihood
     before each step, shape `(steps,)`.
+
+    !!! Example
+
+        ```python
+        la = ef.laplace.fit(
+            loss_fn, model, batch, likelihood="classification", structure=ef.KFAC()
+        )
+        tuned, history = ef.laplace.optimize_hyperparameters(la, steps=20)
+        print(history[0], history[-1])  # the log marginal likelihood rises
+        assert tuned.log_marginal_likelihood() > la.log_marginal_likelihood()
+        print(tuned.prior_precision)  # one δ per block: layers[0], layers[1]
+        ```
     """
     if noise and posterior.likelihood != "regression":
         raise ValueError(
@@ -113,55 +126,113 @@ def marglik_training(
     `(model, posterior, history)`: the trained model, the `Laplace` posterior at it
     with the tuned hyperparameters, and the log marginal likelihood after each
     hyperparameter update.
+
+    !!! Example
+
+        ```python
+        trained, la, history = ef.laplace.marglik_training(
+            loss_fn, model, batch, likelihood="classification", structure=ef.KFAC(),
+            optimizer=optax.adam(1e-2), steps=20, hyper_every=10, hyper_steps=20,
+        )
+        print(history)  # the log marginal likelihood after the updates at steps 10, 20
+        print(la.prior_precision)  # the tuned δ of each block
+        assert loss_fn(trained, batch) < loss_fn(model, batch)
+        ```
     """
-
-    def laplace_at(model, previous):
-        post = fit(
-            loss_fn,
-            model,
-            batch,
-            likelihood=likelihood,
-            structure=structure,
-            where=where,
-            prior_precision=prior_precision if previous is None else 1.0,
-        )
-        if previous is None:
-            return post
-        return post.replace(
-            prior_precision=previous.prior_precision,
-            noise_std=previous.noise_std if noise else None,
-        )
-
-    @eqx.filter_jit
-    def step(model, state, posterior):
-        def objective(model):
-            prior = eqx.tree_at(lambda p: p.model, posterior, model)
-            values = block_values(prior.curvature, prior.mean, "marglik_training")
-            penalty = sum(
-                prior.prior_precision[n] * sum(jnp.sum(jnp.square(x)) for x in v)
-                for n, v in values.items()
-            )
-            return loss_fn(model, batch) + 0.5 * penalty / posterior.num_data
-
-        grads = eqx.filter_grad(objective)(model)
-        with jax.numpy_dtype_promotion("standard"):
-            updates, state = optimizer.update(
-                grads, state, eqx.filter(model, eqx.is_inexact_array)
-            )
-        return eqx.apply_updates(model, updates), state
-
-    posterior = laplace_at(model, None)
+    posterior_at = functools.partial(
+        _posterior_at,
+        loss_fn,
+        batch,
+        likelihood=likelihood,
+        structure=structure,
+        where=where,
+        prior_precision=prior_precision,
+        noise=noise,
+    )
+    posterior = posterior_at(model, None)
     state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
     history = []
     for k in range(1, steps + 1):
-        model, state = step(model, state, posterior)
-        if (k >= burn_in and (k - burn_in) % hyper_every == 0) or k == steps:
-            posterior = laplace_at(model, posterior)
+        model, state = _parameter_step(
+            model, state, posterior, loss_fn, batch, optimizer
+        )
+        if _updates_hyperparameters(k, steps, burn_in, hyper_every):
             posterior, _ = optimize_hyperparameters(
-                posterior,
+                posterior_at(model, posterior),
                 steps=hyper_steps,
                 learning_rate=hyper_learning_rate,
                 noise=noise,
             )
             history.append(float(posterior.log_marginal_likelihood()))
     return model, posterior, history
+
+
+def _posterior_at(
+    loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]],
+    batch: PyTree,
+    model: PyTree,
+    previous: Laplace | None,
+    *,
+    likelihood: Likelihood,
+    structure: AbstractStructure,
+    where,
+    prior_precision: ScalarLike,
+    noise: bool,
+) -> Laplace:
+    """The Laplace posterior at `model`, with the hyperparameters of `previous`
+    (the initial `prior_precision` and σ = 1 when there is none)."""
+    post = fit(
+        loss_fn,
+        model,
+        batch,
+        likelihood=likelihood,
+        structure=structure,
+        where=where,
+        prior_precision=prior_precision if previous is None else 1.0,
+    )
+    if previous is None:
+        return post
+    return post.replace(
+        prior_precision=previous.prior_precision,
+        noise_std=previous.noise_std if noise else None,
+    )
+
+
+def _map_objective(
+    model: PyTree,
+    posterior: Laplace,
+    loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]],
+    batch: PyTree,
+) -> Float[Array, ""]:
+    """L(θ) + (1/2N) Σ_b δ_b ‖θ_b‖², with δ and N from `posterior`."""
+    prior = eqx.tree_at(lambda p: p.model, posterior, model)
+    values = block_values(prior.curvature, prior.mean, "marglik_training")
+    penalty = sum(
+        prior.prior_precision[n] * sum(jnp.sum(jnp.square(x)) for x in v)
+        for n, v in values.items()
+    )
+    return loss_fn(model, batch) + 0.5 * penalty / posterior.num_data
+
+
+@eqx.filter_jit
+def _parameter_step(
+    model: PyTree,
+    state: PyTree,
+    posterior: Laplace,
+    loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]],
+    batch: PyTree,
+    optimizer: optax.GradientTransformation,
+) -> tuple[PyTree, PyTree]:
+    """One `optimizer` step on the MAP objective: the new model and state."""
+    grads = eqx.filter_grad(_map_objective)(model, posterior, loss_fn, batch)
+    with jax.numpy_dtype_promotion("standard"):
+        updates, state = optimizer.update(
+            grads, state, eqx.filter(model, eqx.is_inexact_array)
+        )
+    return eqx.apply_updates(model, updates), state
+
+
+def _updates_hyperparameters(k: int, steps: int, burn_in: int, every: int) -> bool:
+    """Whether parameter step `k` (from 1) is followed by a hyperparameter update:
+    after `burn_in` steps, then every `every` steps, and after the last."""
+    return (k >= burn_in and (k - burn_in) % every == 0) or k == steps
