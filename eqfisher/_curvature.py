@@ -259,6 +259,27 @@ def _select(model: PyTree, where, caller: str) -> list[int]:
 INDEPENDENT = IndependentExamples()
 
 
+def _assemble(params, blocks, grouping, processed, selected) -> Curvature:
+    """The `Curvature` of `blocks`: which selected leaves (and scan slices of them)
+    each group's block covers, over the parameters' structure."""
+    position = {p: j for j, p in enumerate(selected)}
+    indices, slices = [], []
+    for g in grouping:
+        units = [processed.units[i] for i in g.leaves]
+        indices.append((g.name, tuple(position[leaf] for leaf, _ in units)))
+        slices.append(tuple(index for _, index in units))
+    shapes = [
+        jax.ShapeDtypeStruct(p.shape, p.dtype) if i in position else None
+        for i, p in enumerate(jax.tree_util.tree_leaves(params))
+    ]
+    structure = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(params), shapes
+    )
+    if any(any(sl) for sl in slices):
+        return Curvature(blocks, tuple(indices), structure, tuple(slices))
+    return Curvature(blocks, tuple(indices), structure)
+
+
 class _Builder(eqx.Module):
     """Shared by `curvature` and `value_grad_and_curvature`."""
 
@@ -273,19 +294,7 @@ class _Builder(eqx.Module):
         selected = _select(model, self.where, self.caller)
         s = split(model, batch)
         processed = self.traced.trace(s)
-        found = candidates(
-            processed,
-            selected,
-            lambda r: stats.layer_inputs(r.kind).unsupported(r),
-        )
-        grouping = check_groups(
-            self.structure,
-            self.structure.groups(found, model, self.caller),
-            found,
-            self.caller,
-        )
-        grouping = sorted(grouping, key=lambda g: min(g.units))
-        needs = [_needs(self.structure, g, self.caller) for g in grouping]
+        grouping, needs = self._grouping(processed, selected, model)
         records = [r for g, n in zip(grouping, needs) if n.kronecker for r in g.records]
         outputs, vjp, (losses, inputs), grad_vjp = stats.layer_outputs_vjp(
             processed, s, records, full=full
@@ -299,55 +308,65 @@ class _Builder(eqx.Module):
             # XLA cannot remove from a batched product.
             (grads,) = grad_vjp(cotangent_fn(outputs[0]))
         _, point_ct = jax.vmap(vjp)(vectors)
-        params = eqx.filter(model, eqx.is_inexact_array)
         rows = self._rows(
             model, batch, processed, losses, per_loss, vjp, grouping, needs
         )
-        blocks, indices, slices = {}, [], []
-        position = {p: j for j, p in enumerate(selected)}
+        blocks = {}
         for g, n in zip(grouping, needs):
-            values = tuple(processed.take(s.params, i) for i in g.leaves)
-            dtype = stats.stat_dtype(values[0].dtype)
-            a = gg = None
-            if n.kronecker:
-                uses = [
-                    (inputs[records.index(r)], point_ct[r.outputs]) for r in g.records
-                ]
-                reduce = _reduce_examples(
-                    self.structure, n, g, losses[0].inputs.shape[0], self.caller
-                )
-                a, gg = _factors(g, uses, dtype, reduce, n.max_factor_dim)
-            statistics = Statistics(
-                g.shapes,
-                a,
-                gg,
-                g.records[0].weight_perm if n.kronecker else None,
-                tuple(rows[i].astype(dtype) for i in g.leaves) if n.examples else None,
+            uses = [
+                (inputs[records.index(r)], point_ct[r.outputs])
+                for r in (g.records if n.kronecker else ())
+            ]
+            statistics = self._statistics(
+                g, n, processed, s, uses, rows, losses[0].inputs.shape[0]
             )
-            block = self.structure.block(g, statistics)
-            if not isinstance(block, AbstractBlock):
-                raise TypeError(
-                    f"`{self.caller}(..., structure={self.structure!r})`: "
-                    f"`{type(self.structure).__name__}.block` must return an "
-                    f"`eqfisher.blocks.AbstractBlock`, got {type(block).__name__}."
-                )
-            blocks[g.name] = block
-            units = [processed.units[i] for i in g.leaves]
-            indices.append((g.name, tuple(position[leaf] for leaf, _ in units)))
-            slices.append(tuple(index for _, index in units))
-        p_leaves = jax.tree_util.tree_leaves(params)
-        shapes = [
-            jax.ShapeDtypeStruct(p.shape, p.dtype) if i in position else None
-            for i, p in enumerate(p_leaves)
-        ]
-        structure = jax.tree_util.tree_unflatten(
-            jax.tree_util.tree_structure(params), shapes
-        )
-        if any(any(sl) for sl in slices):
-            curv = Curvature(blocks, tuple(indices), structure, tuple(slices))
-        else:
-            curv = Curvature(blocks, tuple(indices), structure)
+            blocks[g.name] = self._block(g, statistics)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        curv = _assemble(params, blocks, grouping, processed, selected)
         return curv, outputs, grads, s
+
+    def _grouping(self, processed, selected, model):
+        """The structure's groups, in parameter order, and what each needs."""
+        found = candidates(
+            processed,
+            selected,
+            lambda r: stats.layer_inputs(r.kind).unsupported(r),
+        )
+        grouping = check_groups(
+            self.structure,
+            self.structure.groups(found, model, self.caller),
+            found,
+            self.caller,
+        )
+        grouping = sorted(grouping, key=lambda g: min(g.units))
+        return grouping, [_needs(self.structure, g, self.caller) for g in grouping]
+
+    def _statistics(self, g, n, processed, s, uses, rows, batch_size) -> Statistics:
+        """One group's `Statistics`: Kronecker factors from its layers' inputs and
+        output cotangents `uses`, per-example vectors from `rows`, as it needs."""
+        values = tuple(processed.take(s.params, i) for i in g.leaves)
+        dtype = stats.stat_dtype(values[0].dtype)
+        a = gg = None
+        if n.kronecker:
+            reduce = _reduce_examples(self.structure, n, g, batch_size, self.caller)
+            a, gg = _factors(g, uses, dtype, reduce, n.max_factor_dim)
+        return Statistics(
+            g.shapes,
+            a,
+            gg,
+            g.records[0].weight_perm if n.kronecker else None,
+            tuple(rows[i].astype(dtype) for i in g.leaves) if n.examples else None,
+        )
+
+    def _block(self, g, statistics: Statistics) -> AbstractBlock:
+        block = self.structure.block(g, statistics)
+        if not isinstance(block, AbstractBlock):
+            raise TypeError(
+                f"`{self.caller}(..., structure={self.structure!r})`: "
+                f"`{type(self.structure).__name__}.block` must return an "
+                f"`eqfisher.blocks.AbstractBlock`, got {type(block).__name__}."
+            )
+        return block
 
     def _rows(self, model, batch, processed, losses, per_loss, vjp, grouping, needs):
         """Per parameter number, the exact per-example vectors `(m, *shape)`, for the
