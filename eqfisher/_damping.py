@@ -28,12 +28,12 @@ class AbstractDamping(eqx.Module):
     def precompute(
         self, block: AbstractBlock, damping: Float[Array, ""]
     ) -> AbstractBlock:
-        """The damped inverse of `block`, as a block whose `mv` preconditions.
+        r"""The damped inverse of `block`, as a block whose `mv` preconditions.
 
         **Arguments:**
 
         - `block`: a curvature block.
-        - `damping`: λ > 0.
+        - `damping`: $\lambda > 0$.
 
         **Returns:**
 
@@ -43,7 +43,7 @@ class AbstractDamping(eqx.Module):
 
 @functools.singledispatch
 def tikhonov_inverse(block: AbstractBlock, damping: Float[Array, ""]) -> AbstractBlock:
-    """(B + λ·I)⁻¹ as a block (exact for the block type)."""
+    r"""$(B + \lambda I)^{-1}$ as a block (exact for the block type)."""
     raise NotImplementedError(
         f"`eqfisher.optim`: no damped inverse for a `{type(block).__name__}` block; "
         "register one with `eqfisher.optim.tikhonov_inverse.register`."
@@ -103,10 +103,10 @@ def _(block: KroneckerFactored, damping):
 
 
 class Tikhonov(AbstractDamping):
-    """Exact damping: (B + λ·I)⁻¹ for every block.
+    r"""Exact damping: $(B + \lambda I)^{-1}$ for every block.
 
     For K-FAC blocks, from the factors' eigendecompositions (an EKFAC-shaped block
-    with scales 1 / (s_G s_A + λ)); four matrix products per layer and step.
+    with scales $1 / (s_G s_A + \lambda)$); four matrix products per layer and step.
     """
 
     def precompute(
@@ -116,12 +116,18 @@ class Tikhonov(AbstractDamping):
 
 
 class FactoredTikhonov(AbstractDamping):
-    """Martens & Grosse's π-damping for K-FAC blocks; exact damping for the others.
+    r"""Martens & Grosse's π-damping for K-FAC blocks; exact damping for the others.
 
-    A K-FAC block G ⊗ A becomes (G + (√λ/π)I)⁻¹ ⊗ (A + π√λI)⁻¹
+    A K-FAC block $G \otimes A$ becomes
+
+    $$
+    \Bigl(G + \frac{\sqrt\lambda}{\pi} I\Bigr)^{-1}
+    \otimes \bigl(A + \pi \sqrt\lambda\, I\bigr)^{-1}
+    $$
+
     (`KroneckerFactored.pi_damped_inverse`): two Cholesky inverses per refresh and
     two matrix products per layer and step. It damps directions where both factors
-    are small much more than λ·I does.
+    are small much more than $\lambda I$ does.
     """
 
     def precompute(

@@ -267,25 +267,28 @@ def kfac_preconditioner(
     norm_constraint: float | None = NORM_CONSTRAINT,
     learning_rate: ScalarOrSchedule = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
-    """Preconditions gradients by a damped, averaged curvature: (C + λI)⁻¹ g.
+    r"""Preconditions gradients by a damped, averaged curvature.
+
+    The update is $(C + \lambda I)^{-1} g$, with $C$ the averaged curvature.
 
     **Arguments:**
 
     - `like`: a `Curvature` of the shape `update` will receive (real, or from
       `curvature_like`): `init` builds the averaged curvature (zeros) and its
       cached inverse from it, so the state never changes structure.
-    - `damping`: λ > 0, a float or an optax schedule of the step count; the value
-      at a refresh of the cached inverse is used until the next refresh.
+    - `damping`: $\lambda > 0$, a float or an optax schedule of the step count; the
+      value at a refresh of the cached inverse is used until the next refresh.
     - `decay`: the moving-average weight of old curvature, in [0, 1).
     - `inverse_every`: refresh the cached inverse at every this-many-th curvature
       estimate (inside jit; no recompilation), and at each of the first
       `inverse_every`, while the average is young.
     - `damping_variant`: `FactoredTikhonov()` (default, π-damping as kfac_jax)
-      or `Tikhonov()` (exact (C̄ + λI)⁻¹ for the averaged K-FAC matrix).
-    - `norm_constraint`: c > 0 or `None`: the direction Δ is scaled down so that
-      lr²·Δᵀg ≤ c, a trust region on the step's length in the curvature metric
-      (kfac_jax's `norm_constraint`). On by default: it keeps large learning rates
-      finite early on, when the curvature is poorly known.
+      or `Tikhonov()` (exact $(\bar C + \lambda I)^{-1}$ for the averaged K-FAC
+      matrix).
+    - `norm_constraint`: $c > 0$ or `None`: the direction $\Delta$ is scaled down so
+      that $\text{lr}^2 \Delta^\top g \le c$, a trust region on the step's length in
+      the curvature metric (kfac_jax's `norm_constraint`). On by default: it keeps
+      large learning rates finite early on, when the curvature is poorly known.
     - `learning_rate`: the rate the caller applies afterwards (a float or an optax
       schedule), used only by `norm_constraint`.
 
@@ -476,7 +479,7 @@ def kfac_step(
     curvature_update_period: int = CURVATURE_UPDATE_PERIOD,
     curvature_batch_size: int | None = None,
 ) -> Callable:
-    """One jitted training step: gradient, curvature when due, optimiser update.
+    r"""One jitted training step: gradient, curvature when due, optimiser update.
 
     Every `curvature_update_period`-th step (counted by the K-FAC state, chosen with
     `lax.cond` inside jit: one compilation) computes the loss, the gradient and the
@@ -493,11 +496,11 @@ def kfac_step(
       `kfac_preconditioner` inside an `optax.chain`, ...), built with a `like=`
       from the same `loss_fn`, `estimator` and `structure`.
     - `estimator`, `structure`: as for `eqfisher.value_grad_and_curvature`.
-    - `curvature_update_period`: k ≥ 1: curvature statistics at steps 0, k, 2k, ...
-      (default 4, from the benchmark grid: about the steps to a target of k = 1
-      on four of its five problems, at half the seconds per step). On CPU, a
-      convolutional model may prefer 1: XLA:CPU runs convolutions inside `lax.cond`
-      far slower (jax-ml/jax#12868).
+    - `curvature_update_period`: $k \ge 1$: curvature statistics at steps
+      $0, k, 2k, \ldots$ (default 4, from the benchmark grid: about the steps to a
+      target of $k = 1$ on four of its five problems, at half the seconds per step).
+      On CPU, a convolutional model may prefer 1: XLA:CPU runs convolutions inside
+      `lax.cond` far slower (jax-ml/jax#12868).
     - `curvature_batch_size`: `None` (the whole batch), or n: the statistics come
       from the first n examples of every leaf of `batch` (leading axis), the
       gradient from the whole batch (one extra forward and backward on n
@@ -582,21 +585,22 @@ def kfac_adaptive(
     adapt_every: int = 5,
     weight_decay: float = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
-    """K-FAC with the learning rate, momentum and damping chosen automatically.
+    r"""K-FAC with the learning rate, momentum and damping chosen automatically.
 
-    Each step minimises the exact Gauss-Newton quadratic model over αΔ + μδ₋₁
-    (Δ = −(C̄ + λI)⁻¹g the preconditioned direction, δ₋₁ the last update), and
-    every `adapt_every` steps adapts the damping λ by the Levenberg–Marquardt rule
+    Each step minimises the exact Gauss-Newton quadratic model over
+    $\alpha \Delta + \mu \delta_{-1}$ ($\Delta = -(\bar C + \lambda I)^{-1} g$ the
+    preconditioned direction, $\delta_{-1}$ the last update), and every
+    `adapt_every` steps adapts the damping $\lambda$ by the Levenberg–Marquardt rule
     on the ratio of the actual to the predicted loss reduction (Martens & Grosse
     2015). Meant for large batches: the model is that of one batch.
 
     **Arguments:**
 
     - `like`: see `kfac_preconditioner`.
-    - `initial_damping`: the first λ > 0.
+    - `initial_damping`: the first $\lambda > 0$.
     - `decay`: see `kfac_preconditioner`.
-    - `inverse_every`: as in `kfac_preconditioner`; λ changes take effect at the
-      next refresh (with the default 1, at once).
+    - `inverse_every`: as in `kfac_preconditioner`; $\lambda$ changes take effect at
+      the next refresh (with the default 1, at once).
     - `adapt_every`: steps between Levenberg–Marquardt adaptations.
     - `weight_decay`: added to the gradient before preconditioning.
 
