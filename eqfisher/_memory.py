@@ -62,6 +62,18 @@ class BlockMemory(NamedTuple):
     - `kind`: the block's type, e.g. `"KroneckerFactored"`.
     - `shapes`: the shape of each of its arrays (for K-FAC, the two factors).
     - `nbytes`: their bytes together.
+
+    !!! Example
+
+        ```python
+        estimate = ef.memory_estimate(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        head = estimate.blocks[0]  # largest first: A is 9 x 9, G is 3 x 3
+        assert head.name == "layers[1]" and head.kind == "KroneckerFactored"
+        assert head.shapes == ((9, 9), (3, 3))
+        assert head.nbytes == (81 + 9) * 4  # float32
+        ```
     """
 
     name: str
@@ -85,6 +97,26 @@ class MemoryEstimate(eqx.Module):
     (parameters, gradient, curvature and optimiser state).
 
     `str(estimate)` is a short table.
+
+    !!! Example
+
+        ```python
+        estimate = ef.memory_estimate(
+            loss_fn,
+            model,
+            batch,
+            estimator=ef.GGN(),
+            structure=ef.KFAC(),
+            optimiser=optax.adam(1e-3),  # two buffers shaped like the parameters
+        )
+        assert estimate.parameters == 67 * 4  # 67 float32 parameters
+        assert estimate.curvature == sum(b.nbytes for b in estimate.blocks)
+        assert estimate.optimiser_state > 2 * estimate.parameters
+        assert estimate.total == (
+            2 * estimate.parameters + estimate.curvature + estimate.optimiser_state
+        )
+        print(estimate)
+        ```
     """
 
     parameters: int

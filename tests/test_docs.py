@@ -257,8 +257,6 @@ _PENDING_EXAMPLES = frozenset(
         "eqfisher.IndependentExamples",
         "eqfisher.InteractingExamples",
         "eqfisher.LayerInfo",
-        "eqfisher.BlockMemory",
-        "eqfisher.MemoryEstimate",
         "eqfisher.AbstractKroneckerStructure",
         "eqfisher.AbstractStructure",
         "eqfisher.Group",
