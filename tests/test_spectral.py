@@ -159,6 +159,19 @@ def many(fn, op, keys):
 
 KEYS = jr.split(jr.key(42), REPEATS)
 slq = eqx.filter_jit(sp.lanczos_quadrature)
+
+
+# The densities of a quadrature, each one compilation rather than one per primitive.
+@eqx.filter_jit
+def jit_density(q, **kwargs):
+    return q.density(**kwargs)
+
+
+@eqx.filter_jit
+def jit_log_density(q, **kwargs):
+    return q.log_density(**kwargs)
+
+
 ESTIMATORS = {
     "hutchinson": sp.Hutchinson(matvecs=12),
     "hutchpp": sp.HutchPlusPlus(matvecs=12),
@@ -200,13 +213,14 @@ def assert_mean_within(samples, exact, std_error, what):
 
 # The statistical sweeps cover one operator of each kind (a matrix, a matrix-free
 # product, a `Curvature`, a user's unsymmetric operator over a dict): each compiles
-# every estimator vmapped over `REPEATS` keys, the slowest tests of the suite.
+# every estimator vmapped over `REPEATS` keys, the slowest tests of the suite. One
+# test per operator checks all of its estimates, so that under pytest-xdist the
+# compilation of `samples(name)` happens on one worker only (tests of one module are
+# dealt to the workers in turn, and each worker would compile its own).
 SWEEP = ["psd", "ggn", "kfac", "user"]
 
 
-@pytest.mark.parametrize("est", list(ESTIMATORS))
-@pytest.mark.parametrize("name", SWEEP)
-def test_trace_unbiased(name, est):
+def check_trace_unbiased(name, est):
     _, a = operator(name)
     estimator = ESTIMATORS[est]
     values = samples(name)[f"trace {est}"]
@@ -214,20 +228,18 @@ def test_trace_unbiased(name, est):
     if est == "hutchinson":
         var = hutchinson_trace_variance(a, estimator.matvecs)
         # The sample variance of REPEATS draws is within a factor ~1.5 of the true.
-        assert 0.5 * var - 1e-12 <= sample_var <= 1.5 * var + 1e-12
+        assert 0.5 * var - 1e-12 <= sample_var <= 1.5 * var + 1e-12, (name, est)
     else:
         # Upper bounds: Hutch++'s complement term is Hutchinson on PAP with m/3
         # vectors, so Var ≤ 2‖A‖_F²/(m/3) (Gaussian bound, Rademacher is lower);
         # XTrace averages terms each of variance ≤ 2‖A‖_F² (Cauchy-Schwarz).
         n = estimator.matvecs // 3 if est == "hutchpp" else 1
-        assert sample_var <= 2 * np.sum(a**2) / n * 1.5 + 1e-12
+        assert sample_var <= 2 * np.sum(a**2) / n * 1.5 + 1e-12, (name, est)
         var = sample_var
     assert_mean_within(values, np.trace(a), np.sqrt(var / REPEATS), (name, est))
 
 
-@pytest.mark.parametrize("est", list(ESTIMATORS))
-@pytest.mark.parametrize("name", SWEEP)
-def test_diagonal_unbiased(name, est):
+def check_diagonal_unbiased(name, est):
     _, a = operator(name)
     estimator = ESTIMATORS[est]
     values = samples(name)[f"diagonal {est}"]
@@ -235,23 +247,31 @@ def test_diagonal_unbiased(name, est):
         # wⱼ(Aw)ⱼ = Aⱼⱼ + Σ_{l≠j} Aⱼₗ wⱼ wₗ: variance Σ_{l≠j} Aⱼₗ² per vector.
         var = (np.sum(a**2, axis=1) - np.diag(a) ** 2) / estimator.matvecs
         sample_var = np.var(values, axis=0, ddof=1)
-        assert np.all(sample_var <= 1.6 * var + 1e-12)
+        assert np.all(sample_var <= 1.6 * var + 1e-12), (name, est)
     else:
         var = np.var(values, axis=0, ddof=1)
         # Each vector's complement term has variance ≤ ‖row j of A‖² (a projection
         # shrinks rows); the exact part adds none beyond what the average removes.
-        assert np.all(var <= 2 * np.sum(a**2, axis=1) + 1e-12)
+        assert np.all(var <= 2 * np.sum(a**2, axis=1) + 1e-12), (name, est)
     assert_mean_within(values, np.diag(a), np.sqrt(var / REPEATS) + 1e-12, (name, est))
 
 
-@pytest.mark.parametrize("name", SWEEP)
-def test_squared_frobenius_norm_unbiased(name):
+def check_squared_frobenius_norm_unbiased(name):
     _, a = operator(name)
     values = samples(name)["frobenius"]
     ata = a.T @ a
     var = 2 * (np.sum(ata**2) - np.sum(np.diag(ata) ** 2)) / FROBENIUS_MATVECS
-    assert np.var(values, ddof=1) <= 1.5 * var
+    assert np.var(values, ddof=1) <= 1.5 * var, name
     assert_mean_within(values, np.sum(a**2), np.sqrt(var / REPEATS), name)
+
+
+@pytest.mark.parametrize("name", SWEEP)
+def test_estimators_unbiased(name):
+    """Traces and diagonals from every estimator, and the squared Frobenius norm."""
+    for est in ESTIMATORS:
+        check_trace_unbiased(name, est)
+        check_diagonal_unbiased(name, est)
+    check_squared_frobenius_norm_unbiased(name)
 
 
 def test_diagonal_is_a_pytree_like_the_operand():
@@ -276,10 +296,19 @@ def test_diagonal_is_a_pytree_like_the_operand():
 def test_exact_on_low_rank(name, estimators):
     op, a = operator(name)
     scale = np.max(np.abs(a))
-    for estimator in estimators:
-        t = eqx.filter_jit(sp.trace)(op, estimator, key=jr.key(3))
+
+    @eqx.filter_jit
+    def estimates(op):  # one compilation for every estimator
+        return [
+            (
+                sp.trace(op, estimator, key=jr.key(3)),
+                sp.diagonal(op, estimator, key=jr.key(3)),
+            )
+            for estimator in estimators
+        ]
+
+    for t, d in estimates(op):
         np.testing.assert_allclose(t, np.trace(a), rtol=EXACT)
-        d = eqx.filter_jit(sp.diagonal)(op, estimator, key=jr.key(3))
         np.testing.assert_allclose(ravel_pytree(d)[0], np.diag(a), atol=EXACT * scale)
 
 
@@ -392,18 +421,18 @@ def test_density_is_a_normalised_smoothing_of_the_quadrature():
     q = slq(op, iterations=12, key=jr.key(0), repeats=4)
     # A margin wide enough that no bump is cut: the density is a Gaussian mixture
     # with the quadrature's weights, so mass 1 and mean Σ wθ / repeats.
-    grid, density = q.density(points=4096, margin=1.0)
+    grid, density = jit_density(q, points=4096, margin=1.0)
     assert grid.shape == density.shape == (4096,)
     assert np.all(density >= 0)
     np.testing.assert_allclose(np.trapezoid(density, grid), 1, rtol=1e-6)
     mean = np.sum(q.weights * q.nodes) / 4
     np.testing.assert_allclose(np.trapezoid(grid * density, grid), mean, rtol=1e-6)
     # The default grid spans the nodes plus a 5% margin.
-    grid, _ = q.density()
+    grid, _ = jit_density(q)
     low, high = np.min(q.nodes), np.max(q.nodes)
     pad = 0.05 * (high - low)
     np.testing.assert_allclose(np.asarray(grid)[[0, -1]], [low - pad, high + pad])
-    grid, _ = q.density(boundaries=(0.0, 200.0), margin=0.0)
+    grid, _ = jit_density(q, boundaries=(0.0, 200.0), margin=0.0)
     np.testing.assert_allclose(np.asarray(grid)[[0, -1]], [0, 200])
 
 
@@ -411,7 +440,7 @@ def test_log_density():
     op, a = operator("hessian")  # indefinite: |λ| on the log scale
     q = slq(op, iterations=12, key=jr.key(0), repeats=4)
     eps = 1e-5
-    grid, density = q.log_density(points=8192, margin=1.0, kappa=3.0, epsilon=eps)
+    grid, density = jit_log_density(q, points=8192, margin=1.0, kappa=3.0, epsilon=eps)
     assert np.all(np.diff(np.log(grid)) > 0)  # log-spaced
     np.testing.assert_allclose(
         np.diff(np.log(grid)), np.diff(np.log(grid))[0], rtol=1e-8
@@ -441,6 +470,7 @@ def test_jit_vmap_and_batch_size_agree():
     # vmap over operators: a batch of matrices.
     mats = jnp.stack([psd_matrix(20, s) for s in range(3)])
 
+    @jax.jit  # one compilation rather than one per primitive
     @jax.vmap
     def top(m):
         return sp.top_eigenpairs(lx.MatrixLinearOperator(m, PSD), 1, key=jr.key(0))[0]
