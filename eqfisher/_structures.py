@@ -72,6 +72,35 @@ class Group:
 
     The other fields are eqfisher's bookkeeping: parameter numbers, the layer
     applications, and which part of a `PerLayer` builds the block.
+
+    !!! Example
+
+        A structure receives one candidate `Group` per layer; merging them gives one
+        dense block over everything, as `Dense()`:
+
+        ```python
+        class OneBlock(ef.AbstractStructure):
+            def groups(self, candidates, model, caller):
+                assert [g.name for g in candidates] == ["layers[0]", "layers[1]"]
+                assert candidates[0].paths == (".layers[0].weight", ".layers[0].bias")
+                assert candidates[0].kronecker  # a dense layer, its weight selected
+                return (ef.Group.merge(candidates, "everything"),)
+
+            def needs(self, group):
+                return ef.Needs(examples=True)
+
+            def block(self, group, statistics):
+                return statistics.full()
+
+        mine = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=OneBlock()
+        )
+        dense = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.Dense()
+        )
+        assert list(mine.blocks) == ["everything"]
+        assert jnp.allclose(mine.as_matrix(), dense.as_matrix(), atol=1e-6)
+        ```
     """
 
     name: str
@@ -118,6 +147,17 @@ class Needs(eqx.Module):
       (see `KFAC`).
     - `max_factor_dim`: `None`, or a size above which a factor is computed as its
       diagonal only (a vector in `Statistics`).
+
+    !!! Example
+
+        What the built-in structures ask for:
+
+        ```python
+        needs = ef.KFAC(weight_sharing="reduce").kronecker_needs()
+        assert needs.kronecker and not needs.examples
+        assert needs.weight_sharing == "reduce"
+        assert ef.EKFAC().kronecker_needs().examples  # EKFAC's exact diagonal too
+        ```
     """
 
     kronecker: bool = eqx.field(static=True, default=False)
@@ -141,6 +181,37 @@ class Statistics(eqx.Module):
       (see `eqfisher.blocks.KroneckerFactored`).
     - `rows`: per operand leaf, the per-example vectors `(m, *leaf.shape)`: the
       curvature block is Σᵢ uᵢ uᵢᵀ over the ravelled rows uᵢ.
+
+    !!! Example
+
+        A K-FAC variant that builds its blocks from the factors itself, here with
+        G doubled:
+
+        ```python
+        class DoubledG(ef.AbstractKroneckerStructure):
+            weight_sharing: str = "expand"
+
+            def kronecker_needs(self):
+                return ef.Needs(kronecker=True)
+
+            def kronecker_block(self, group, statistics):
+                return ef.blocks.KroneckerFactored(
+                    statistics.a,  # (d_in + 1, d_in + 1): the bias coordinate last
+                    2 * statistics.g,  # (d_out, d_out)
+                    weight_perm=statistics.weight_perm,
+                    structure=statistics.shapes,
+                )
+
+        mine = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=DoubledG()
+        )
+        kfac = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        block = mine.blocks["layers[0]"]  # eqx.nn.Linear(4, 8)
+        assert block.a.shape == (5, 5) and block.g.shape == (8, 8)
+        assert jnp.allclose(block.g, 2 * kfac.blocks["layers[0]"].g)
+        ```
     """
 
     shapes: tuple[jax.ShapeDtypeStruct, ...] = eqx.field(static=True)
@@ -206,6 +277,32 @@ class AbstractStructure(eqx.Module):
     - `needs(group)`: the `Needs` of one block.
     - `block(group, statistics)`: the block, an `eqfisher.blocks.AbstractBlock` on
       the operand `group.shapes`, from the `Statistics` asked for.
+
+    !!! Example
+
+        The exact diagonal, one block per layer (what `Diagonal()` does):
+
+        ```python
+        class MyDiagonal(ef.AbstractStructure):
+            def groups(self, candidates, model, caller):
+                return candidates  # one block per layer
+
+            def needs(self, group):
+                return ef.Needs(examples=True)  # the per-example vectors
+
+            def block(self, group, statistics):
+                return statistics.diagonal()
+
+        mine = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=MyDiagonal()
+        )
+        exact = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.Dense()
+        )
+        assert jnp.allclose(
+            jnp.diag(mine.as_matrix()), jnp.diag(exact.as_matrix()), atol=1e-6
+        )
+        ```
     """
 
     @abc.abstractmethod
@@ -324,6 +421,30 @@ class AbstractKroneckerStructure(AbstractStructure):
 
     Subclasses set `weight_sharing` and implement `kronecker_needs` and
     `kronecker_block`.
+
+    !!! Example
+
+        K-FAC itself, as the smallest subclass:
+
+        ```python
+        class MyKFAC(ef.AbstractKroneckerStructure):
+            weight_sharing: str = "expand"
+
+            def kronecker_needs(self):
+                return ef.Needs(kronecker=True, weight_sharing=self.weight_sharing)
+
+            def kronecker_block(self, group, statistics):
+                return statistics.kronecker()  # G ⊗ A
+
+        mine = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=MyKFAC()
+        )
+        kfac = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        assert isinstance(mine.blocks["layers[1]"], ef.blocks.KroneckerFactored)
+        assert jnp.allclose(mine.as_matrix(), kfac.as_matrix(), atol=1e-6)
+        ```
     """
 
     weight_sharing: eqx.AbstractVar[WeightSharing]
