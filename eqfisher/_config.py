@@ -17,11 +17,14 @@ class Config:
 
     **Fields:**
 
-    - `max_unroll`: a `jax.lax.scan` that reads parameters is unrolled, so that the
-      layers of every step are found, when it has at most this many steps (default
-      128). Longer scans stay opaque: their parameters get diagonal blocks, because
-      unrolling would make the traced program (and its compile time) grow with the
-      number of steps.
+    - `max_unroll`: a `jax.lax.scan` that reads parameters stays a scan, whatever
+      its length, and the layers of every step are found on its body. The scans
+      that cannot stay one (a scan nested in a scan over stacked leaves, a
+      parameter in the carry, a loss registered inside the body) are unrolled
+      instead when they have at most this many steps (default 128); longer ones
+      stay opaque and their parameters get diagonal blocks, because unrolling
+      would make the traced program (and its compile time) grow with the number
+      of steps.
     - `max_patch_elements`: K-FAC forms a convolution's patch matrix for a chunk of
       examples at a time when the whole matrix would hold more elements than this
       (default 2**20), so that memory stays bounded however large the batch.

@@ -249,8 +249,7 @@ def pooled_factors(
     parts = []
     for batch in batches.values():
         first = batch[0]
-        length = first.outputs.stacked.aval.shape[0]  # pyright: ignore
-        if len(batch) == length and len(batch) > 1 and first.kind in _POOLED:
+        if _every_step(batch) and first.kind in _POOLED:
             parts.append(
                 _steps_factors(
                     first,
@@ -288,6 +287,14 @@ _POOLED = frozenset({"dense", "embedding"})
 
 def _steps(record: LayerRecord) -> bool:
     return isinstance(record.inputs, StepVar) and isinstance(record.outputs, StepVar)
+
+
+def _every_step(batch: Sequence[LayerRecord]) -> bool:
+    """Whether `batch` are the uses at every step of one scan (more than one)."""
+    if len(batch) < 2 or not _steps(batch[0]):
+        return False
+    length = batch[0].outputs.stacked.aval.shape[0]  # pyright: ignore
+    return sorted(r.outputs.step for r in batch) == list(range(length))  # pyright: ignore
 
 
 def _steps_factors(
