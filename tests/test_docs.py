@@ -251,7 +251,6 @@ _PENDING_EXAMPLES = frozenset(
     {
         "eqfisher.Config",
         "eqfisher.current_config",
-        "eqfisher.Curvature",
         "eqfisher.AbstractEstimator",
         "eqfisher.AbstractExamples",
         "eqfisher.IndependentExamples",
