@@ -116,11 +116,13 @@ def results(name: str) -> dict[str, Any]:
     return run(model, batch)
 
 
-def assert_close(actual, expected):
+def assert_close(actual, expected, what=""):
     actual, expected = np.asarray(actual), np.asarray(expected)
-    assert actual.shape == expected.shape
+    assert actual.shape == expected.shape, what
     scale = np.max(np.abs(expected))
-    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-11 * scale)
+    np.testing.assert_allclose(
+        actual, expected, rtol=0, atol=1e-11 * scale, err_msg=what
+    )
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -132,24 +134,18 @@ def test_parameters_round_trip(name):
     assert flat.size == data["ggn"].shape[0]
 
 
-@pytest.mark.parametrize("structure", list(STRUCTURES))
+# One test per case checks every matrix of `results(name)`: tests of one module are
+# dealt to pytest-xdist's workers in turn, and each worker would compile its own.
 @pytest.mark.parametrize("name", list(CASES))
-def test_curvature_matches_curvlinops(name, structure):
+def test_curvature_matches_curvlinops(name):
     _, _, data = load(name)
-    assert_close(results(name)[structure], data[STRUCTURES[structure][1]])
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_ggn_operator_matches_curvlinops(name):
-    _, _, data = load(name)
-    assert_close(results(name)["ggn_operator"], data["ggn"])
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_fisher_exact_is_the_ggn(name):
-    # The registered losses are exponential families in their natural parameters.
-    _, _, data = load(name)
-    assert_close(results(name)["fisher_exact"], data["ggn"])
+    out = results(name)
+    for structure, (_, matrix) in STRUCTURES.items():
+        assert_close(out[structure], data[matrix], structure)
+    assert_close(out["ggn_operator"], data["ggn"], "ggn_operator")
+    # FisherExact is the GGN: the registered losses are exponential families in
+    # their natural parameters.
+    assert_close(out["fisher_exact"], data["ggn"], "fisher_exact")
 
 
 def test_kfac_reduce_matches_curvlinops():
