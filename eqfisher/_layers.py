@@ -58,6 +58,21 @@ class LayerInfo(eqx.Module):
       model order (weight before bias).
     - `uses`: how often the layer is applied (more than 1 for tied weights; K-FAC
       then pools the applications' statistics into one Kronecker block).
+
+    !!! Example
+
+        ```python
+        first, second = ef.find_layers(loss_fn, model, batch).layers
+        assert first.name == "layers[0]" and first.kind == "dense"
+        assert first.param_paths == (".layers[0].weight", ".layers[0].bias")
+
+        linear = eqx.nn.Linear(4, 4, key=key)
+        tied = lambda m, b: ef.softmax_cross_entropy(
+            jax.vmap(lambda v: m(jnp.tanh(m(v))))(b[0]), b[1]
+        )
+        (info,) = ef.find_layers(tied, linear, batch).layers
+        assert info.uses == 2  # one layer, applied twice
+        ```
     """
 
     name: str = eqx.field(static=True)

@@ -43,6 +43,16 @@ class RegisteredLoss(eqx.Module):
     `coefficient` is the derivative of the returned value with respect to this
     loss's value: a scalar, or one per lane when the registration was `jax.vmap`ped
     (the lanes are the leading axes of `inputs`).
+
+    !!! Example
+
+        ```python
+        losses, _ = ef.loss_tags_vjp(loss_fn)(model, batch)
+        (loss,) = losses  # loss_fn registers one loss
+        assert loss.inputs.shape == (32, 3) and loss.targets.shape == (32,)
+        assert jnp.allclose(loss.weights(), 1 / 32)  # a mean over 32 examples
+        assert jnp.allclose(loss.value(), loss_fn(model, batch))
+        ```
     """
 
     family: AbstractLossFamily = eqx.field(static=True)
@@ -72,6 +82,22 @@ class LayerData(eqx.Module):
 
     `outputs` is the output the tracer perturbs (the layer's result, after its bias);
     `outputs_tangent` its cotangent, `params_tangent` that of each parameter leaf.
+
+    !!! Example
+
+        For a dense layer, with the examples as rows:
+
+        ```python
+        losses, vjp_fn = ef.layer_vjp(loss_fn)(model, batch)
+        ones = jnp.ones_like(losses[0].inputs)
+        first, _ = vjp_fn((ones,))  # eqx.nn.Linear(4, 8), then Linear(8, 3)
+        weight, bias = first.params
+        assert first.inputs.shape == (32, 4) and first.outputs.shape == (32, 8)
+        assert jnp.allclose(first.outputs, first.inputs @ weight.T + bias, atol=1e-6)
+        dweight, dbias = first.params_tangent
+        assert jnp.allclose(dweight, first.outputs_tangent.T @ first.inputs, atol=1e-5)
+        assert jnp.allclose(dbias, first.outputs_tangent.sum(axis=0), atol=1e-5)
+        ```
     """
 
     inputs: Array
@@ -82,7 +108,23 @@ class LayerData(eqx.Module):
 
 
 class LayerReport(eqx.Module):
-    """What `find_layers` found: layers, and the parameter leaves in no layer."""
+    """What `find_layers` found: layers, and the parameter leaves in no layer.
+
+    **Fields:**
+
+    - `layers`: a `LayerInfo` per layer, in model order.
+    - `unmatched`: the paths of parameter leaves in no layer (they get diagonal
+      blocks), and `reasons`: why, one phrase each.
+
+    !!! Example
+
+        ```python
+        report = ef.find_layers(loss_fn, model, batch)
+        assert [layer.name for layer in report.layers] == ["layers[0]", "layers[1]"]
+        assert report.unmatched == ()  # every parameter is in a layer
+        print(report)  # a table: layer, kind, parameters
+        ```
+    """
 
     layers: tuple[LayerInfo, ...] = eqx.field(static=True)
     unmatched: tuple[str, ...] = eqx.field(static=True)
@@ -510,6 +552,20 @@ def layer_vjp(loss_fn: Callable) -> Callable:
     registered loss. `vjp_fn(loss_tangents)`, with one tangent per loss shaped like
     its inputs, returns one `LayerData` per layer (in `find_layers` order): primal
     inputs, outputs and parameters, and the cotangents of outputs and parameters.
+
+    !!! Example
+
+        Pulling back the loss's gradient in its inputs (the logits) gives the
+        gradient, layer by layer:
+
+        ```python
+        losses, vjp_fn = ef.layer_vjp(loss_fn)(model, batch)
+        logits = losses[0].inputs  # (32, 3)
+        dlogits = (jax.nn.softmax(logits) - jax.nn.one_hot(y, 3)) / 32
+        first, second = vjp_fn((dlogits,))
+        assert jnp.allclose(first.params_tangent[0], grads.layers[0].weight, atol=1e-6)
+        assert jnp.allclose(second.params_tangent[1], grads.layers[1].bias, atol=1e-6)
+        ```
     """
     return _LayerVjp(Traced(loss_fn, "eqfisher.layer_vjp"))
 
@@ -531,7 +587,21 @@ def _unflatten(s: Split, leaves) -> PyTree:
 def loss_tags_vjp(loss_fn: Callable) -> Callable:
     """`(model, batch) -> (losses, vjp_fn)`; `vjp_fn(tangents)` gives parameter
     cotangents (a PyTree like `eqx.filter(model, eqx.is_inexact_array)`) of the
-    registered losses' inputs."""
+    registered losses' inputs.
+
+    !!! Example
+
+        The loss's gradient in the logits, pulled back, is the gradient:
+
+        ```python
+        losses, vjp_fn = ef.loss_tags_vjp(loss_fn)(model, batch)
+        logits = losses[0].inputs  # (32, 3)
+        dlogits = (jax.nn.softmax(logits) - jax.nn.one_hot(y, 3)) / 32
+        pulled = vjp_fn((dlogits,))  # like params
+        for a, b in zip(jax.tree.leaves(pulled), jax.tree.leaves(grads)):
+            assert jnp.allclose(a, b, atol=1e-6)
+        ```
+    """
     traced = Traced(loss_fn, "eqfisher.loss_tags_vjp")
 
     def transformed(model, batch):
@@ -544,7 +614,19 @@ def loss_tags_vjp(loss_fn: Callable) -> Callable:
 
 
 def loss_tags_jvp(loss_fn: Callable) -> Callable:
-    """`(model, batch, params_tangent) -> (losses, tangents of the losses' inputs)`."""
+    """`(model, batch, params_tangent) -> (losses, tangents of the losses' inputs)`.
+
+    !!! Example
+
+        The tangent of the logits, J v, against `eqx.filter_jvp`:
+
+        ```python
+        losses, (dlogits,) = ef.loss_tags_jvp(loss_fn)(model, batch, grads)
+        _, expected = eqx.filter_jvp(lambda m: jax.vmap(m)(x), (model,), (grads,))
+        assert dlogits.shape == (32, 3)
+        assert jnp.allclose(dlogits, expected, atol=1e-6)
+        ```
+    """
     traced = Traced(loss_fn, "eqfisher.loss_tags_jvp")
 
     def transformed(model, batch, params_tangent):
@@ -560,7 +642,21 @@ def loss_tags_jvp(loss_fn: Callable) -> Callable:
 def loss_tags_hvp(loss_fn: Callable) -> Callable:
     """`(model, batch, params_tangent) -> (H v, losses)`, with H the Hessian of the
     registered losses' values weighted by their coefficients in the value `loss_fn`
-    returns, by forward-over-reverse differentiation."""
+    returns, by forward-over-reverse differentiation.
+
+    !!! Example
+
+        Here the value is the registered loss itself, so H is the Hessian of
+        `loss_fn`:
+
+        ```python
+        hv, losses = ef.loss_tags_hvp(loss_fn)(model, batch, grads)
+        grad_fn = lambda m: eqx.filter_grad(loss_fn)(m, batch)
+        _, expected = eqx.filter_jvp(grad_fn, (model,), (grads,))
+        for a, b in zip(jax.tree.leaves(hv), jax.tree.leaves(expected)):
+            assert jnp.allclose(a, b, atol=1e-5)
+        ```
+    """
     traced = Traced(loss_fn, "eqfisher.loss_tags_hvp")
 
     def transformed(model, batch, params_tangent):
