@@ -103,7 +103,8 @@ def _check_dollars(name: str, text: str) -> None:
         assert re.search(r"\n[ \t]*\n[ \t]*$", before), (
             f"{name}: no blank line before `$$`: {before[-40:]!r}"
         )
-        assert re.match(r"[ \t]*\n[ \t]*(\n|$)", after), (
+        # (or the end of the text: a docstring may end with one)
+        assert re.match(r"[ \t]*\n[ \t]*(\n|$)", after) or not after.strip(), (
             f"{name}: no blank line after `$$`: {after[:40]!r}"
         )
         assert m.group(1).startswith("\n") and re.search(r"\n[ \t]*$", m.group(1)), (
@@ -179,7 +180,6 @@ UNICODE_DOCSTRINGS = frozenset(
         "eqfisher/_structures.py",
         "eqfisher/_tracing.py",
         "eqfisher/blocks/_base.py",
-        "eqfisher/blocks/diagonal.py",
         "eqfisher/blocks/eigen_kronecker.py",
         "eqfisher/blocks/full.py",
         "eqfisher/blocks/kronecker.py",
@@ -208,13 +208,35 @@ def _source(obj) -> str:
     return pathlib.Path(path).resolve().relative_to(ROOT).as_posix()
 
 
+def _doc_owner(obj):
+    """Where `inspect.getdoc(obj)` takes the docstring from: a method without one
+    inherits it from the first base class that has one."""
+    fn = obj.fget if isinstance(obj, property) else obj
+    if getattr(fn, "__doc__", None) or "." not in getattr(fn, "__qualname__", ""):
+        return obj
+    owner, name = fn.__qualname__.rsplit(".", 1)
+    cls = getattr(inspect.getmodule(fn), owner, None)
+    for base in getattr(cls, "__mro__", ())[1:]:
+        attr = vars(base).get(name)
+        if attr is not None and getattr(attr, "__doc__", None):
+            return attr
+    return obj
+
+
 def _docstrings() -> list[tuple[str, str, str]]:
-    """(qualified name, source file, docstring) of every public object."""
+    """(qualified name, file that holds its docstring, docstring) of every public
+    object."""
     out = []
     for qual, obj in _documented_objects():
         doc = inspect.getdoc(obj)
         if doc:
-            out.append((qual, _source(obj), doc))
+            out.append((qual, _source(_doc_owner(obj)), doc))
+        # The API reference merges a class's `__init__` docstring into its entry.
+        init = vars(obj).get("__init__") if inspect.isclass(obj) else None
+        if init is not None and init.__doc__:
+            out.append(
+                (f"{qual}.__init__", _source(obj), inspect.cleandoc(init.__doc__))
+            )
     return out
 
 
