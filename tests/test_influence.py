@@ -6,6 +6,8 @@ conjugate gradients on `ggn_operator`) or the structure's own matrix
 (`Curvature.as_matrix()`) for the approximations.
 """
 
+import functools as ft
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -40,7 +42,26 @@ def setup():
 def reference_gradients(model, batch, sel):
     flat, rebuild = ravelled(model)
     per = lambda f, x, y: loss_fn(rebuild(f), (x[None], y[None]))
-    return np.asarray(jax.vmap(jax.grad(per), (None, 0, 0))(flat, *batch))[:, sel]
+    return np.asarray(jax.jit(jax.vmap(jax.grad(per), (None, 0, 0)))(flat, *batch))[
+        :, sel
+    ]
+
+
+# Every test uses the same model and batches: their dense GGN and per-example
+# gradients (over every parameter) are computed once and restricted by `sel`.
+@ft.cache
+def references():
+    """`(ggn, g_train, g_query)` over all parameters, read-only."""
+    model, train, query = setup()
+    sel = selection(model, None)
+    out = (
+        dense_ggn_cross_entropy(model, *train),
+        reference_gradients(model, train, sel),
+        reference_gradients(model, query, sel),
+    )
+    for a in out:
+        a.flags.writeable = False
+    return out
 
 
 def selection(model, where):
@@ -67,7 +88,7 @@ CASES = [c for c in CASES if not (c[0] == "cg" and c[1] is not None)]
 def inverse_and_matrix(name, model, train, where, sel):
     if name == "identity":
         return inf.Identity(), np.eye(int(sel.sum()))
-    ggn = dense_ggn_cross_entropy(model, *train)[np.ix_(sel, sel)]
+    ggn = references()[0][np.ix_(sel, sel)]
     damped = lambda c: np.linalg.inv(c + DAMPING * np.eye(c.shape[0]))
     if name == "cg":
         op = ef.ggn_operator(loss_fn, model, train)
@@ -92,8 +113,8 @@ def test_scores_against_dense_inverse(case):
     model, train, query = setup()
     sel = selection(model, where)
     inverse, h_inv = inverse_and_matrix(name, model, train, where, sel)
-    g_train = reference_gradients(model, train, sel)
-    g_query = reference_gradients(model, query, sel)
+    _, g_train, g_query = references()
+    g_train, g_query = g_train[:, sel], g_query[:, sel]
     expected = g_query @ h_inv @ g_train.T
     got = inf.influence_scores(loss_fn, model, train, query, inverse, where=where)
     tol = 1e-8 if name == "cg" else 1e-10
@@ -122,7 +143,6 @@ def test_conjugate_gradient_in_float32():
     """float32 CG on the exact GGN at a small damping: the scaled system keeps
     lineax's breakdown test quiet; scores within 1e-3 of the float64 ones."""
     model, train, query = setup()
-    sel = selection(model, None)
     cast = lambda t: jax.tree_util.tree_map(
         lambda a: a.astype(jnp.float32) if eqx.is_inexact_array(a) else a, t
     )
@@ -131,9 +151,7 @@ def test_conjugate_gradient_in_float32():
     inverse = inf.ConjugateGradient(op, 1e-3, rtol=1e-5, atol=1e-5)
     got = inf.influence_scores(loss_fn, model32, train32, query32, inverse)
     assert got.dtype == jnp.float32
-    ggn = dense_ggn_cross_entropy(model, *train)
-    g_t = reference_gradients(model, train, sel)
-    g_q = reference_gradients(model, query, sel)
+    ggn, g_t, g_q = references()
     expected = g_q @ np.linalg.solve(ggn + 1e-3 * np.eye(ggn.shape[0]), g_t.T)
     np.testing.assert_allclose(got, expected, atol=1e-3 * np.abs(expected).max())
 
@@ -145,8 +163,8 @@ def test_low_rank_query_gradients(rank):
     model, train, query = setup()
     sel = selection(model, None)
     inverse, h_inv = inverse_and_matrix("kfac", model, train, None, sel)
-    g_train = reference_gradients(model, train, sel)
-    solved = reference_gradients(model, query, sel) @ h_inv
+    _, g_train, g_query = references()
+    solved = g_query @ h_inv
     _, unravel = ravel_pytree(eqx.filter(model, eqx.is_inexact_array))
 
     def truncate(flat):
