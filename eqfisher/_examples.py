@@ -86,7 +86,7 @@ class IndependentExamples(AbstractExamples):
 
 
 class InteractingExamples(AbstractExamples):
-    """Examples interact inside `loss_fn` (BatchNorm with batch statistics, ...).
+    r"""Examples interact inside `loss_fn` (BatchNorm with batch statistics, ...).
 
     The exact curvature then comes from full-batch products: one VJP through the
     whole batch per loss output coordinate (`GGN`, `FisherExact`), or per example
@@ -101,8 +101,8 @@ class InteractingExamples(AbstractExamples):
     !!! Example
 
         A hidden layer normalised with batch statistics, against the exact GGN
-        Σₙ Jₙᵀ Hₙ Jₙ from `jax.jacfwd` (Jₙ: example n's logits by all parameters,
-        through the batch statistics):
+        $\sum_n J_n^\top H_n J_n$ from `jax.jacfwd` ($J_n$: the Jacobian of example
+        $n$'s logits in all parameters, through the batch statistics):
 
         ```python
         from jax.flatten_util import ravel_pytree
