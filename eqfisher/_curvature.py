@@ -336,12 +336,8 @@ class _Builder(eqx.Module):
         )
         blocks = {}
         for g, n in zip(grouping, needs):
-            uses = [
-                (inputs[records.index(r)], point_ct[r.outputs])
-                for r in (g.records if n.kronecker else ())
-            ]
             statistics = self._statistics(
-                g, n, processed, s, uses, rows, losses[0].inputs.shape[0]
+                g, n, processed, s, (inputs, point_ct), rows, losses[0].inputs.shape[0]
             )
             blocks[g.name] = self._block(g, statistics)
         params = eqx.filter(model, eqx.is_inexact_array)
@@ -364,15 +360,24 @@ class _Builder(eqx.Module):
         grouping = sorted(grouping, key=lambda g: min(g.units))
         return grouping, [_needs(self.structure, g, self.caller) for g in grouping]
 
-    def _statistics(self, g, n, processed, s, uses, rows, batch_size) -> Statistics:
-        """One group's `Statistics`: Kronecker factors from its layers' inputs and
-        output cotangents `uses`, per-example vectors from `rows`, as it needs."""
+    def _statistics(self, g, n, processed, s, pulled, rows, batch_size) -> Statistics:
+        """One group's `Statistics`: Kronecker factors from the layers' inputs and
+        output cotangents `pulled`, per-example vectors from `rows`, as it needs."""
         values = tuple(processed.take(s.params, i) for i in g.leaves)
         dtype = stats.stat_dtype(values[0].dtype)
         a = gg = None
         if n.kronecker:
             reduce = _reduce_examples(self.structure, n, g, batch_size, self.caller)
-            a, gg = _factors(g, uses, dtype, reduce, n.max_factor_dim)
+            # Every step's use of a weight in a kept scan at once, from the
+            # scan's stacked values: the work does not grow with the steps.
+            a, gg = stats.pooled_factors(
+                g.records,
+                *pulled,
+                len(g.leaves) == 2,
+                dtype,
+                reduce_examples=reduce,
+                max_factor_dim=n.max_factor_dim,
+            )
         return Statistics(
             g.shapes,
             a,
@@ -454,28 +459,6 @@ def _reduce_examples(structure, n: Needs, g: Group, size: int, caller: str):
             f"{first} there and the loss {size} examples."
         )
     return size
-
-
-def _factors(g: Group, uses, dtype, reduce, max_dim) -> tuple[Array, Array]:
-    """K-FAC's A and G; tied weights pool their applications' rows as extra
-    locations."""
-    with_bias = len(g.leaves) == 2
-    factors = [
-        stats.kronecker_factors(
-            r,
-            x,
-            g_stack,
-            with_bias,
-            dtype,
-            reduce_examples=reduce,
-            max_factor_dim=max_dim,
-        )
-        for r, (x, g_stack) in zip(g.records, uses)
-    ]
-    total = sum(n for _, _, n in factors)
-    a = sum(a_u * (n / total) for a_u, _, n in factors)
-    gg = sum(g_u for _, g_u, _ in factors)
-    return a, gg
 
 
 def curvature(
