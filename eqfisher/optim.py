@@ -64,6 +64,22 @@ class KFACState(NamedTuple):
       before the first estimate).
     - `inverse`: a `Curvature` whose blocks are the damped inverses of the
       average's (see `Tikhonov`, `FactoredTikhonov`): its `mv` preconditions.
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        opt = ef.optim.kfac(0.1, like=curv)
+        state = opt.init(params)
+        updates, state = opt.update(grads, state, params, curvature=curv)
+        kstate = ef.optim.find_kfac_state(state)  # inside kfac's optax.chain
+        assert kstate.count == 1 and kstate.curvature_count == 1
+        assert kstate.refresh_count == 1  # the inverse is refreshed at once
+        # The bias-corrected average of one estimate is that estimate.
+        assert jnp.allclose(kstate.curvature.as_matrix(), curv.as_matrix())
+        ```
     """
 
     count: Int[Array, ""]
@@ -300,6 +316,33 @@ def kfac_preconditioner(
     between curvature estimates. A curvature holding NaN or inf is not averaged in
     (counted in `state.nonfinite_count`); a non-finite update is replaced by zero
     (counted in `state.skipped_count`).
+
+    !!! Example
+
+        With exact damping and no norm constraint, the direction is
+        $(C + \lambda I)^{-1} g$ after one curvature estimate; a learning rate
+        turns it into an optimiser:
+
+        ```python
+        curv = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        pre = ef.optim.kfac_preconditioner(
+            like=curv,
+            damping=0.1,
+            damping_variant=ef.optim.Tikhonov(),
+            norm_constraint=None,
+        )
+        direction, _ = pre.update(grads, pre.init(params), params, curvature=curv)
+        expected = curv.solve(grads, 0.1)
+        for a, b in zip(jax.tree.leaves(direction), jax.tree.leaves(expected)):
+            assert jnp.allclose(a, b, atol=1e-5)
+
+        opt = optax.chain(pre, optax.scale_by_learning_rate(0.5))
+        updates, _ = opt.update(grads, opt.init(params), params, curvature=curv)
+        stepped = eqx.apply_updates(model, updates)
+        assert loss_fn(stepped, batch) < loss_fn(model, batch)
+        ```
     """
     caller = "kfac_preconditioner"
     _check_like(caller, like)
@@ -410,6 +453,22 @@ def find_kfac_state(state: PyTree) -> KFACState:
     **Returns:**
 
     That `KFACState`.
+
+    **Raises:**
+
+    `ValueError` when `state` holds no `KFACState`, or more than one.
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        kfac = ef.optim.kfac(0.1, like=curv)
+        opt = optax.chain(optax.clip_by_global_norm(1.0), kfac)
+        kstate = ef.optim.find_kfac_state(opt.init(params))
+        assert isinstance(kstate, ef.optim.KFACState) and kstate.count == 0
+        ```
     """
     found = [
         s
@@ -427,7 +486,26 @@ def find_kfac_state(state: PyTree) -> KFACState:
 
 
 def curvature_ok(state: PyTree) -> Array:
-    """True when no curvature estimate has been rejected as non-finite."""
+    """True when no curvature estimate has been rejected as non-finite.
+
+    **Raises:**
+
+    `ValueError` when `state` holds no `KFACState`.
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        opt = ef.optim.kfac(0.1, like=curv)
+        _, state = opt.update(grads, opt.init(params), params, curvature=curv)
+        assert ef.optim.curvature_ok(state)
+        broken = jax.tree.map(lambda a: a * jnp.nan, curv)
+        _, state = opt.update(grads, state, params, curvature=broken)
+        assert not ef.optim.curvature_ok(state)  # rejected, not averaged in
+        ```
+    """
     try:
         return find_kfac_state(state).nonfinite_count == 0
     except ValueError:
@@ -570,7 +648,23 @@ def kfac_step(
 
 
 class AdaptiveKFACState(NamedTuple):
-    """State of `kfac_adaptive`: the preconditioner's and the step rule's."""
+    r"""State of `kfac_adaptive`: the preconditioner's and the step rule's.
+
+    - `kfac`: the `KFACState` (averaged curvature, cached inverse, counters).
+    - `steps`: the step rule's: `damping` (the current $\lambda$), `previous` (the
+      last update), `count`, and `rho` (the last reduction ratio).
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        state = ef.optim.kfac_adaptive(like=curv, initial_damping=1.0).init(params)
+        assert isinstance(state, ef.optim.AdaptiveKFACState)
+        assert state.kfac.count == 0 and state.steps.damping == 1.0
+        ```
+    """
 
     kfac: KFACState
     steps: AdaptiveState
@@ -609,6 +703,31 @@ def kfac_adaptive(
     An `optax.GradientTransformationExtraArgs`; call `update(grads, state, params,
     curvature=curv, quadratic=eqfisher.optim.quadratic_model(loss_fn, model,
     batch))`. The result is the full update (no learning rate to apply).
+
+    !!! Example
+
+        ```python
+        vgc = ef.value_grad_and_curvature(
+            loss_fn, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        opt = ef.optim.kfac_adaptive(like=ef.optim.curvature_like(vgc, model, batch))
+
+        @eqx.filter_jit
+        def step(model, state):
+            params = eqx.filter(model, eqx.is_inexact_array)
+            loss, grads, curv = vgc(model, batch)
+            quadratic = ef.optim.quadratic_model(loss_fn, model, batch)
+            updates, state = opt.update(
+                grads, state, params, curvature=curv, quadratic=quadratic
+            )
+            return eqx.apply_updates(model, updates), state
+
+        trained, state = model, opt.init(params)
+        for _ in range(10):
+            trained, state = step(trained, state)
+        assert loss_fn(trained, batch) < loss_fn(model, batch)
+        print(state.steps.damping)  # adapted every 5 steps from 1.0
+        ```
     """
     caller = "kfac_adaptive"
     _check_like(caller, like)
