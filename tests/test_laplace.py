@@ -151,11 +151,26 @@ def build(structure_name, where, regression, per_block=False, dtype=jnp.float64)
 
 def dense_matrix(fn, lap):
     """The matrix of a linear map on `lap.mean`-shaped PyTrees, ravel order."""
-    flat, unravel = ravel_pytree(lap.mean)
+    return np.asarray(_dense_matrix(fn, lap.mean))
+
+
+# The library's methods run eagerly in the tests below unless jitted: one
+# compilation per call rather than one per primitive, which is most of their time.
+@eqx.filter_jit
+def _dense_matrix(fn, mean):
+    flat, unravel = ravel_pytree(mean)
     cols = jax.vmap(lambda e: ravel_pytree(fn(unravel(e)))[0])(
         jnp.eye(flat.size, dtype=flat.dtype)
     )
-    return np.asarray(cols.T)
+    return cols.T
+
+
+@eqx.filter_jit
+def log_marginal_likelihood(lap):
+    return lap.log_marginal_likelihood()
+
+
+glm_predictive = eqx.filter_jit(la.glm_predictive)
 
 
 CASES = [
@@ -200,7 +215,7 @@ def test_covariance_and_marginal_likelihood(case, per_block):
         - np.sum(np.log(prior))
         + np.sum(prior * theta**2)
     )
-    assert float(lap.log_marginal_likelihood()) == pytest.approx(expected, rel=1e-10)
+    assert float(log_marginal_likelihood(lap)) == pytest.approx(expected, rel=1e-10)
 
 
 @pytest.mark.parametrize("structure_name", ["dense", "kfac", "diagonal"])
@@ -238,15 +253,16 @@ def test_marginal_likelihood_gradient(structure_name):
         "prior": {n: jnp.log(lap.prior_precision[n]) for n in names},
         "noise": jnp.log(lap.noise_std),
     }
-    got = jax.grad(via_library)(logs)
-    want = jax.grad(dense)(logs)
+    got = jax.jit(jax.grad(via_library))(logs)
+    want = jax.jit(jax.grad(dense))(logs)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         assert float(a) == pytest.approx(float(b), rel=1e-8, abs=1e-10)
     # And one central finite difference on the library itself.
     h = 1e-5
     n0 = names[0]
     bump = lambda e: {**logs, "prior": {**logs["prior"], n0: logs["prior"][n0] + e}}
-    fd = (via_library(bump(h)) - via_library(bump(-h))) / (2 * h)
+    value = jax.jit(via_library)
+    fd = (value(bump(h)) - value(bump(-h))) / (2 * h)
     assert float(got["prior"][n0]) == pytest.approx(float(fd), rel=1e-6)
 
 
@@ -269,9 +285,9 @@ def test_glm_predictive_against_jacfwd(case):
     lap, model, batch, _, sel, precision = build(*case)
     x = batch[0][:5]
     fn, theta = flat_outputs(model, x, sel)
-    jac = jax.jacfwd(fn)(theta)  # (batch, D, P)
+    jac = jax.jit(jax.jacfwd(fn))(theta)  # (batch, D, P)
     cov = np.einsum("bkp,pq,blq->bkl", jac, np.linalg.inv(precision), jac)
-    mean, got = la.glm_predictive(lap, x, chunk_size=2, output_chunk_size=3)
+    mean, got = glm_predictive(lap, x, chunk_size=2, output_chunk_size=3)
     np.testing.assert_allclose(mean, fn(theta), rtol=1e-12)
     np.testing.assert_allclose(got, cov, rtol=1e-9, atol=1e-12)
     # Probit and bridge, from the formulas written out here.
@@ -291,14 +307,19 @@ def test_glm_predictive_against_jacfwd(case):
     )
 
 
+@eqx.filter_jit
+def flat_samples(lap, key, num_samples):
+    samples = lap.sample(key, num_samples)
+    return jax.vmap(lambda t: ravel_pytree(t)[0])(samples)
+
+
 @pytest.mark.parametrize("structure_name", list(STRUCTURES))
 def test_samples_have_the_posterior_covariance(structure_name):
     """Sample covariance within 5 standard errors (Var Ŝ_ij = (Σ_ii Σ_jj + Σ_ij²)/S)."""
     lap, model, batch, _, sel, precision = build(structure_name, LAST, False, True)
     cov = np.linalg.inv(precision)
     s = 20000
-    samples = lap.sample(jax.random.key(3), s)
-    flat = np.asarray(jax.vmap(lambda t: ravel_pytree(t)[0])(samples))
+    flat = np.asarray(flat_samples(lap, jax.random.key(3), s))
     theta = np.asarray(ravel_pytree(lap.mean)[0])
     centred = flat - theta
     np.testing.assert_array_less(np.abs(centred.mean(0)), 5 * np.sqrt(np.diag(cov) / s))
@@ -310,9 +331,11 @@ def test_samples_have_the_posterior_covariance(structure_name):
 def test_linearised_samples_match_glm_covariance():
     lap, model, batch, _, sel, _ = build("kfac", None, False)
     x = batch[0][:3]
-    mean, cov = la.glm_predictive(lap, x)
+    mean, cov = glm_predictive(lap, x)
     s = 20000
-    out = np.asarray(la.predictive_samples(lap, x, jax.random.key(4), s))
+    out = np.asarray(
+        eqx.filter_jit(la.predictive_samples)(lap, x, jax.random.key(4), s)
+    )
     centred = out - np.asarray(mean)
     # Linearised outputs are exactly Gaussian: mean and covariance within 5 s.e.
     var = np.diagonal(cov, axis1=1, axis2=2)
@@ -358,12 +381,13 @@ def test_optimize_hyperparameters_finds_the_maximum():
     names = list(tuned.prior_precision)
     logs = {n: jnp.log(v) for n, v in tuned.prior_precision.items()}
 
+    @jax.jit
     def value(logs, log_sigma):
         prior = {n: jnp.exp(v) for n, v in logs.items()}
         out = tuned.replace(prior_precision=prior, noise_std=jnp.exp(log_sigma))
         return out.log_marginal_likelihood()
 
-    grads = jax.grad(value, argnums=(0, 1))(logs, jnp.log(tuned.noise_std))
+    grads = jax.jit(jax.grad(value, argnums=(0, 1)))(logs, jnp.log(tuned.noise_std))
     for g in jax.tree_util.tree_leaves(grads):
         assert abs(float(g)) < 1e-3
     best = float(tuned.log_marginal_likelihood())
@@ -385,17 +409,20 @@ def test_float32_at_large_n(structure_name):
         lap, model, batch, _, sel, _ = build(structure_name, None, False, dtype=dtype)
         lap = eqx.tree_at(lambda p: p.num_data, lap, jnp.asarray(1e5, dtype))
         lap = lap.replace(prior_precision=1e-2)
-        results.append(lap.log_marginal_likelihood())
+        results.append(log_marginal_likelihood(lap))
     lml64, lml32 = results
     assert lml32.dtype == jnp.float32 and bool(jnp.isfinite(lml32))
     assert float(lml32) == pytest.approx(float(lml64), rel=1e-4)
-    mean, cov = la.glm_predictive(lap, batch[0][:4])
+    mean, cov = glm_predictive(lap, batch[0][:4])
     assert cov.dtype == jnp.float32 and np.all(np.isfinite(cov))
     probs = la.probit(mean, cov)
     assert np.all(np.isfinite(probs))
     flat, unravel = ravel_pytree(lap.mean)
     v = jax.random.normal(jax.random.key(5), flat.shape, jnp.float32)
-    y = np.asarray(ravel_pytree(lap.covariance_mv(unravel(v)))[0], np.float64)
+    y = eqx.filter_jit(lambda lap, v: ravel_pytree(lap.covariance_mv(unravel(v)))[0])(
+        lap, v
+    )
+    y = np.asarray(y, np.float64)
     c32 = np.asarray(lap.curvature.as_matrix(), np.float64)
     precision = 1e5 * c32 + 1e-2 * np.eye(c32.shape[0])
     residual = precision @ y - np.asarray(v, np.float64)
@@ -458,6 +485,6 @@ def test_marglik_training():
         return out.log_marginal_likelihood()
 
     logs = {n: jnp.log(v) for n, v in post.prior_precision.items()}
-    grads = jax.grad(value, argnums=(0, 1))(logs, jnp.log(post.noise_std))
+    grads = jax.jit(jax.grad(value, argnums=(0, 1)))(logs, jnp.log(post.noise_std))
     for g in jax.tree_util.tree_leaves(grads):
         assert abs(float(g)) < 1e-2
