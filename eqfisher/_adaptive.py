@@ -23,6 +23,22 @@ class QuadraticModel:
     Build it inside the training step with `quadratic_model(loss_fn, model, batch)`
     and pass it to the adaptive K-FAC update as `quadratic=`. Products with the GGN
     go through the public `eqfisher.ggn_operator` (one JVP and one VJP each).
+
+    !!! Example
+
+        `gram` against the dense GGN:
+
+        ```python
+        from jax.flatten_util import ravel_pytree
+
+        quadratic = ef.optim.quadratic_model(loss_fn, model, batch)
+        gram = quadratic.gram([grads, params])  # (2, 2)
+        G = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.Dense()
+        ).as_matrix()
+        V = jnp.stack([ravel_pytree(grads)[0], ravel_pytree(params)[0]], axis=1)
+        assert jnp.allclose(gram, V.T @ G @ V, rtol=1e-4)
+        ```
     """
 
     def __init__(self, loss_fn: Callable, model: PyTree, batch: PyTree):
@@ -40,7 +56,19 @@ class QuadraticModel:
 
 
 def quadratic_model(loss_fn: Callable, model: PyTree, batch: PyTree) -> QuadraticModel:
-    """The exact quadratic model of `loss_fn(model, batch)` for adaptive K-FAC."""
+    """The exact quadratic model of `loss_fn(model, batch)` for adaptive K-FAC.
+
+    Returns a `QuadraticModel`; see `kfac_adaptive` for its use in a training step.
+
+    !!! Example
+
+        ```python
+        quadratic = ef.optim.quadratic_model(loss_fn, model, batch)
+        assert jnp.allclose(quadratic.loss(quadratic.params), loss_fn(model, batch))
+        halved = jax.tree.map(lambda p: p / 2, quadratic.params)
+        print(quadratic.loss(halved))  # the loss with every parameter halved
+        ```
+    """
     return QuadraticModel(loss_fn, model, batch)
 
 

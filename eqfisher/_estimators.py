@@ -34,6 +34,40 @@ class AbstractEstimator(eqx.Module):
     - `batch_vectors(vectors, axis)`: the vectors whose pullbacks through the whole
       batch give the exact curvature when examples interact (`axis`: the example
       axis among the leading axes).
+
+    !!! Example
+
+        The empirical Fisher, written as a subclass (one vector per example: its
+        weighted gradient in the loss's inputs), against per-example gradients:
+
+        ```python
+        from jax.flatten_util import ravel_pytree
+
+        class MyEmpiricalFisher(ef.AbstractEstimator):
+            needs_key = False
+
+            def output_vectors(self, loss, key):
+                g = loss.family.output_gradient(loss.inputs, loss.targets)
+                return (g * jnp.sqrt(loss.weights())[..., None])[None]  # (1, 32, 3)
+
+            def example_vectors(self, vectors):
+                return vectors  # an example's vector is already its own
+
+            def batch_vectors(self, vectors, axis):
+                return ef.EmpiricalFisher().batch_vectors(vectors, axis)
+
+        curv = ef.curvature(
+            loss_fn, model, batch, estimator=MyEmpiricalFisher(), structure=ef.Dense()
+        )
+
+        def example_grad(x, y):  # loss_fn on a batch of one example
+            g = eqx.filter_grad(loss_fn)(model, (x[None], y[None]))
+            return ravel_pytree(g)[0]
+
+        per_example = jax.vmap(example_grad)(x, y)  # (32, 67)
+        expected = per_example.T @ per_example / 32
+        assert jnp.allclose(curv.as_matrix(), expected, atol=1e-6)
+        ```
     """
 
     needs_key: eqx.AbstractClassVar[bool]

@@ -251,11 +251,8 @@ _PENDING_EXAMPLES = frozenset(
     {
         "eqfisher.Config",
         "eqfisher.current_config",
-        "eqfisher.AbstractEstimator",
         "eqfisher.register_loss",
         "eqfisher.sigmoid_cross_entropy",
-        "eqfisher.optim.QuadraticModel",
-        "eqfisher.optim.quadratic_model",
         "eqfisher.losses.AbstractLossFamily",
         "eqfisher.losses.Categorical",
         "eqfisher.losses.Bernoulli",
