@@ -251,12 +251,6 @@ _PENDING_EXAMPLES = frozenset(
     {
         "eqfisher.Config",
         "eqfisher.current_config",
-        "eqfisher.register_loss",
-        "eqfisher.sigmoid_cross_entropy",
-        "eqfisher.losses.AbstractLossFamily",
-        "eqfisher.losses.Categorical",
-        "eqfisher.losses.Bernoulli",
-        "eqfisher.losses.Gaussian",
     }
 )
 
