@@ -28,6 +28,32 @@ class Config:
     - `max_patch_elements`: K-FAC forms a convolution's patch matrix for a chunk of
       examples at a time when the whole matrix would hold more elements than this
       (default 2**20), so that memory stays bounded however large the batch.
+
+    !!! Example
+
+        A convolution's K-FAC factors, with the patch matrix (8 examples x 16
+        locations x 9 inputs) formed whole, then in chunks: the same factors.
+
+        ```python
+        conv = eqx.nn.Conv2d(1, 2, 3, key=key)
+        images = jax.random.normal(key, (8, 1, 6, 6))
+
+        def conv_loss(conv, images):
+            out = jax.vmap(conv)(images).reshape(len(images), -1)  # (8, 2 * 4 * 4)
+            return ef.squared_error(out, jnp.zeros_like(out))
+
+        def kfac():
+            return ef.curvature(
+                conv_loss, conv, images, estimator=ef.GGN(), structure=ef.KFAC()
+            ).as_matrix()
+
+        assert ef.current_config() == ef.Config()  # the defaults
+        whole = kfac()
+        with ef.configure(max_patch_elements=200) as config:
+            assert config == ef.Config(max_patch_elements=200)
+            chunked = kfac()
+        assert jnp.allclose(whole, chunked, rtol=1e-5, atol=1e-5)
+        ```
     """
 
     max_unroll: int = 128
@@ -48,7 +74,17 @@ _CURRENT = contextvars.ContextVar("eqfisher_config", default=Config())  # noqa: 
 
 
 def current_config() -> Config:
-    """The settings in effect (see `eqfisher.Config`)."""
+    """The settings in effect (see `eqfisher.Config`).
+
+    !!! Example
+
+        ```python
+        assert ef.current_config().max_unroll == 128  # the default
+        with ef.configure(max_unroll=16):
+            assert ef.current_config().max_unroll == 16
+        assert ef.current_config().max_unroll == 128  # restored
+        ```
+    """
     return _CURRENT.get()
 
 

@@ -245,24 +245,10 @@ def _public_names() -> dict[str, object]:
     return out
 
 
-# Names whose examples other changes of this session are still writing. This set
-# is temporary: empty it once they land, and keep it empty.
-_PENDING_EXAMPLES = frozenset(
-    {
-        "eqfisher.Config",
-        "eqfisher.current_config",
-    }
-)
-
-
 def test_every_public_name_has_an_example():
     # Each example is run by test_docstring_example_runs; this test keeps one from
     # going missing (a new public name, or an example deleted).
-    missing = sorted(
-        q
-        for q, obj in _public_names().items()
-        if not _examples(obj) and q not in _PENDING_EXAMPLES
-    )
+    missing = sorted(q for q, obj in _public_names().items() if not _examples(obj))
     assert not missing, f"no ```python example in the docstring: {missing}"
 
 
