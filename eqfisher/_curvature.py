@@ -334,10 +334,16 @@ class _Builder(eqx.Module):
         rows = self._rows(
             model, batch, processed, losses, per_loss, vjp, grouping, needs
         )
-        blocks = {}
+        blocks, steps_cache = {}, {}
         for g, n in zip(grouping, needs):
             statistics = self._statistics(
-                g, n, processed, s, (inputs, point_ct), rows, losses[0].inputs.shape[0]
+                g,
+                n,
+                processed,
+                s,
+                (inputs, point_ct, steps_cache),
+                rows,
+                losses[0].inputs.shape[0],
             )
             blocks[g.name] = self._block(g, statistics)
         params = eqx.filter(model, eqx.is_inexact_array)
@@ -370,13 +376,16 @@ class _Builder(eqx.Module):
             reduce = _reduce_examples(self.structure, n, g, batch_size, self.caller)
             # Every step's use of a weight in a kept scan at once, from the
             # scan's stacked values: the work does not grow with the steps.
+            inputs, cotangents, steps_cache = pulled
             a, gg = stats.pooled_factors(
                 g.records,
-                *pulled,
+                inputs,
+                cotangents,
                 len(g.leaves) == 2,
                 dtype,
                 reduce_examples=reduce,
                 max_factor_dim=n.max_factor_dim,
+                steps_cache=steps_cache,
             )
         return Statistics(
             g.shapes,

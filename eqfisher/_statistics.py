@@ -231,10 +231,16 @@ def pooled_factors(
     *,
     reduce_examples: int | None = None,
     max_factor_dim: int | None = None,
+    steps_cache: dict | None = None,
 ) -> tuple[Array, Array]:
     """K-FAC's A and G of a group whose records are uses of one weight (tied
     weights): the uses' rows pool as extra locations, A = Σᵤ Aᵤ nᵤ / Σᵤ nᵤ and
     G = Σᵤ Gᵤ.
+
+    With `steps_cache` (a dict shared by the calls for one curvature), a use at
+    one step of a kept scan is read from the factors of every step of it, computed
+    at once (`all_steps_factors`) the first time one of its steps is asked for: a
+    stacked layer's per-step blocks then cost one batched product, not one each.
 
     `inputs` are `layer_outputs_vjp`'s layer inputs and `cotangents` the output
     cotangents it pulls back (stacked vectors first). The uses of a shared weight
@@ -263,6 +269,28 @@ def pooled_factors(
             )
             continue
         for r in batch:
+            if steps_cache is not None and _steps(r):
+                key = (
+                    id(r.inputs.stacked),  # pyright: ignore
+                    id(r.outputs.stacked),  # pyright: ignore
+                    with_bias,
+                    reduce_examples,
+                    max_factor_dim,
+                )
+                if key not in steps_cache:
+                    steps_cache[key] = all_steps_factors(
+                        r,
+                        inputs.values[r.inputs.stacked],  # pyright: ignore
+                        cotangents[r.outputs.stacked],  # pyright: ignore
+                        with_bias,
+                        dtype,
+                        reduce_examples,
+                        max_factor_dim,
+                    )
+                a_all, g_all, n = steps_cache[key]
+                step = r.outputs.step  # pyright: ignore
+                parts.append((a_all[step], g_all[step], n))
+                continue
             parts.append(
                 kronecker_factors(
                     r,
@@ -318,6 +346,37 @@ def _steps_factors(
     reduce = None if reduce_examples is None else steps * reduce_examples
     a, n = _input_factor(record, x, with_bias, dtype, reduce, max_factor_dim)
     return a, g.astype(dtype), n
+
+
+def all_steps_factors(
+    record: LayerRecord,
+    x: Array,
+    g_stack: Array,
+    with_bias: bool,
+    dtype,
+    reduce_examples: int | None,
+    max_factor_dim: int | None,
+) -> tuple[Array, Array, int]:
+    """`kronecker_factors` of one layer's use at each step of a kept scan, for
+    every step at once (a `vmap` over the steps): `x` is `(steps, *input)` and
+    `g_stack` `(k, steps, *output)`; A and G come out stacked, `(steps, ...)`."""
+    rows = []
+
+    def one(x_t, g_t):
+        a, g, n = kronecker_factors(
+            record,
+            x_t,
+            g_t,
+            with_bias,
+            dtype,
+            reduce_examples=reduce_examples,
+            max_factor_dim=max_factor_dim,
+        )
+        rows.append(n)
+        return a, g
+
+    a, g = jax.vmap(one, in_axes=(0, 1))(x, g_stack)
+    return a, g, rows[0]
 
 
 def _patch_elements(record: LayerRecord) -> int:
