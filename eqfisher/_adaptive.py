@@ -47,7 +47,7 @@ class QuadraticModel:
         self._loss_fn, self._batch = loss_fn, batch
 
     def gram(self, vectors: list[PyTree]) -> Float[Array, "k k"]:
-        """vᵢᵀ G vⱼ for the exact GGN G, from one GGN product per vector."""
+        r"""$v_i^\top G v_j$ for the exact GGN $G$, from one GGN product per vector."""
         return _vdots(vectors, [self._ggn.mv(v) for v in vectors])
 
     def loss(self, params: PyTree) -> Float[Array, ""]:

@@ -123,13 +123,13 @@ class Curvature(lx.AbstractLinearOperator):
         return self._map(vector, lambda b, v: b.mv(v), "mv")
 
     def solve(self, vector: PyTree, damping: ScalarLike) -> PyTree:
-        """(C + damping·I)⁻¹ v, exact for every block type (K-FAC through its factors'
-        eigendecompositions).
+        r"""$(C + \text{damping} \cdot I)^{-1} v$, exact for every block type (K-FAC
+        through its factors' eigendecompositions).
 
         **Arguments:**
 
         - `vector`: a PyTree shaped like the parameters (a gradient).
-        - `damping`: λ ≥ 0, added to every eigenvalue.
+        - `damping`: $\lambda \ge 0$, added to every eigenvalue.
 
         **Returns:**
 

@@ -167,7 +167,7 @@ class Needs(eqx.Module):
 
 
 class Statistics(eqx.Module):
-    """What a structure receives to build one block: the statistics it asked for in
+    r"""What a structure receives to build one block: the statistics it asked for in
     `Needs` (the others are None), in at least float32.
 
     **Fields:**
@@ -180,7 +180,7 @@ class Statistics(eqx.Module):
     - `weight_perm`: static; how the weight maps to its `(d_out, d_in)` matrix view
       (see `eqfisher.blocks.KroneckerFactored`).
     - `rows`: per operand leaf, the per-example vectors `(m, *leaf.shape)`: the
-      curvature block is Σᵢ uᵢ uᵢᵀ over the ravelled rows uᵢ.
+      curvature block is $\sum_i u_i u_i^\top$ over the ravelled rows $u_i$.
 
     !!! Example
 
@@ -250,7 +250,7 @@ class Statistics(eqx.Module):
         )
 
     def kronecker(self) -> KroneckerFactored:
-        """The K-FAC block G ⊗ A (a vector factor is diagonal)."""
+        r"""The K-FAC block $G \otimes A$ (a vector factor is diagonal)."""
         a, g = self._factors("kronecker")
         return KroneckerFactored(
             a, g, weight_perm=self.weight_perm, structure=self.shapes
@@ -486,12 +486,12 @@ class AbstractKroneckerStructure(AbstractStructure):
 
 
 class KFAC(AbstractKroneckerStructure):
-    """Kronecker-factored blocks for dense, conv and embedding layers (K-FAC).
+    r"""Kronecker-factored blocks for dense, conv and embedding layers (K-FAC).
 
-    A = mean over locations of ã ãᵀ (ã = [a; 1] with a bias), G = Σ over locations of
-    g gᵀ, g the output cotangents of the loss-weighted output vectors; for one
-    example G ⊗ A is the exact block (on the row-major vec of the `(out, in)`
-    weight matrix).
+    $A$ is the mean over locations of $\tilde a \tilde a^\top$ ($\tilde a = [a; 1]$
+    with a bias), $G$ the sum over locations of $g g^\top$, $g$ the output cotangents
+    of the loss-weighted output vectors; for one example $G \otimes A$ is the exact
+    block (on the row-major vec of the `(out, in)` weight matrix).
 
     **Arguments:**
 
