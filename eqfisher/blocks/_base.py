@@ -52,7 +52,7 @@ class AbstractBlock(lx.AbstractLinearOperator):
 
     @abc.abstractmethod
     def solve(self, vector: Operand, damping: ScalarLike) -> Operand:
-        """The exact damped inverse product (B + damping·I)⁻¹ v.
+        r"""The exact damped inverse product $(B + \text{damping} \cdot I)^{-1} v$.
 
         **Arguments:**
 

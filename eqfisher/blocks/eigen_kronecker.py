@@ -23,12 +23,18 @@ from .kronecker import KroneckerFactored
 
 
 class EigenKroneckerFactored(AbstractBlock):
-    """An EKFAC block (George et al., 2018): K-FAC's eigenbasis, rescaled.
+    r"""An EKFAC block (George et al., 2018): K-FAC's eigenbasis, rescaled.
 
-    B = (Q_G ⊗ Q_A) diag(vec(scales)) (Q_G ⊗ Q_A)ᵀ on the row-major vec of the
-    matrix view M of the operand, i.e. `mv(M) = Q_G [scales ∘ (Q_Gᵀ M Q_A)] Q_Aᵀ`.
-    The matrix view is that of [`eqfisher.blocks.KroneckerFactored`][]: the operand
-    is `(weight,)` or `(weight, bias)`, with the bias as the last column.
+    On the row-major vec of the matrix view $M$ of the operand,
+
+    $$
+    B = (Q_G \otimes Q_A) \operatorname{diag}(\operatorname{vec}(\text{scales}))
+    (Q_G \otimes Q_A)^\top,
+    $$
+
+    that is, `mv(M) = Q_G [scales ∘ (Q_Gᵀ M Q_A)] Q_Aᵀ`. The matrix view is that of
+    [`eqfisher.blocks.KroneckerFactored`][]: the operand is `(weight,)` or
+    `(weight, bias)`, with the bias as the last column.
 
     **Fields:**
 
@@ -199,12 +205,13 @@ def ekfac_from_kronecker(
     block: KroneckerFactored,
     per_example_matrices: Float[Array, "n d_out d_in"],
 ) -> EigenKroneckerFactored:
-    """The EKFAC block in the eigenbasis of a K-FAC block.
+    r"""The EKFAC block in the eigenbasis of a K-FAC block.
 
-    With per-example gradients M_n in the matrix view (the bias as the last column),
-    scaled so that the true curvature is Σₙ vec(Mₙ) vec(Mₙ)ᵀ, the scales are
-    Σₙ (Q_Gᵀ Mₙ Q_A)²: the diagonal of the true curvature in the basis Q_G ⊗ Q_A.
-    For a mean over N examples, pass Mₙ / √N.
+    With per-example gradients $M_n$ in the matrix view (the bias as the last
+    column), scaled so that the true curvature is
+    $\sum_n \operatorname{vec}(M_n) \operatorname{vec}(M_n)^\top$, the scales are
+    $\sum_n (Q_G^\top M_n Q_A)^2$: the diagonal of the true curvature in the basis
+    $Q_G \otimes Q_A$. For a mean over $N$ examples, pass $M_n / \sqrt{N}$.
 
     **Arguments:**
 

@@ -20,7 +20,7 @@ from ._base import (
 
 
 class Full(AbstractBlock):
-    """A dense curvature block: the whole (P, P) matrix of one layer.
+    r"""A dense curvature block: the whole (P, P) matrix of one layer.
 
     **Fields:**
 
@@ -28,12 +28,13 @@ class Full(AbstractBlock):
         `ravel_pytree` order of the operand tuple.
     - `structure`: the operand, a tuple of `jax.ShapeDtypeStruct` (static).
 
-    `solve` and `logdet` use a Cholesky factorisation of B + damping·I. Where it
-    fails, because rounding has left B with eigenvalues below −damping (float32 with
-    damping ≲ 1e-7·‖B‖), they fall back to an eigendecomposition with the
-    eigenvalues of B clamped at zero: the exact result for the nearest PSD matrix,
-    finite for any positive damping. `eigenvalues` are in ascending order
-    (`jnp.linalg.eigvalsh`).
+    `solve` and `logdet` use a Cholesky factorisation of
+    $B + \text{damping} \cdot I$. Where it fails, because rounding has left $B$ with
+    eigenvalues below $-\text{damping}$ (float32 with
+    $\text{damping} \lesssim 10^{-7} \lVert B \rVert$), they fall back to an
+    eigendecomposition with the eigenvalues of $B$ clamped at zero: the exact result
+    for the nearest PSD matrix, finite for any positive damping. `eigenvalues` are in
+    ascending order (`jnp.linalg.eigvalsh`).
 
     !!! Example
 

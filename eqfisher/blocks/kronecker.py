@@ -83,7 +83,7 @@ def _shifted_inverse(factor: Factor, shift: Array, eig: Eigh | None) -> Factor:
 
 
 class KroneckerFactored(AbstractBlock):
-    """A K-FAC block B = G ⊗ A (Martens & Grosse, 2015).
+    r"""A K-FAC block $B = G \otimes A$ (Martens & Grosse, 2015).
 
     The operand is `(weight,)` or `(weight, bias)`, seen as the matrix
     M = [transpose(weight, weight_perm).reshape(d_out, d_in), bias.reshape(d_out, 1)]
@@ -234,16 +234,23 @@ class KroneckerFactored(AbstractBlock):
         return self._operand(rotate_scale(matrix, q_g, q_a, factor))
 
     def pi_damped_inverse(self, damping: ScalarLike) -> "KroneckerFactored":
-        """Martens & Grosse's factored Tikhonov damping, inverted: a Kronecker block.
+        r"""Martens & Grosse's factored Tikhonov damping, inverted: a Kronecker block.
 
-        Returns (G + (√λ/π)·I)⁻¹ ⊗ (A + π√λ·I)⁻¹ with π = √((tr(A)/d_A) /
-        (tr(G)/d_G)): its `mv` is the π-damped solve, two matrix products. A zero
-        factor (a layer that saw no data) gives π = 0 or ∞; π is then 1. This is not
-        (B + λ·I)⁻¹; use `solve` for the exact damped inverse.
+        With $\pi = \sqrt{(\operatorname{tr}(A) / d_A) / (\operatorname{tr}(G) / d_G)}$,
+        returns
+
+        $$
+        \Bigl(G + \frac{\sqrt\lambda}{\pi} I\Bigr)^{-1}
+        \otimes \bigl(A + \pi \sqrt\lambda\, I\bigr)^{-1}.
+        $$
+
+        Its `mv` is the π-damped solve, two matrix products. A zero factor (a layer
+        that saw no data) gives $\pi = 0$ or $\infty$; $\pi$ is then 1. This is not
+        $(B + \lambda I)^{-1}$; use `solve` for the exact damped inverse.
 
         **Arguments:**
 
-        - `damping`: λ, a positive scalar.
+        - `damping`: $\lambda$, a positive scalar.
 
         **Returns:**
 
@@ -263,15 +270,17 @@ class KroneckerFactored(AbstractBlock):
         )
 
     def solve_factored(self, vector: Operand, damping: ScalarLike) -> Operand:
-        """The π-damped approximate solve: `pi_damped_inverse(damping).mv(vector)`.
+        r"""The π-damped approximate solve: `pi_damped_inverse(damping).mv(vector)`.
 
-        Computes (G + (√λ/π)·I)⁻¹ M (A + π√λ·I)⁻¹ (see `pi_damped_inverse`). This is
-        not (B + λ·I)⁻¹ v; use `solve` for the exact damped inverse.
+        Computes
+        $(G + \frac{\sqrt\lambda}{\pi} I)^{-1} M (A + \pi \sqrt\lambda\, I)^{-1}$ (see
+        `pi_damped_inverse`). This is not $(B + \lambda I)^{-1} v$; use `solve` for
+        the exact damped inverse.
 
         **Arguments:**
 
         - `vector`: a tuple of arrays shaped like the operand.
-        - `damping`: λ, a positive scalar.
+        - `damping`: $\lambda$, a positive scalar.
 
         **Returns:**
 
@@ -331,7 +340,7 @@ class KroneckerFactored(AbstractBlock):
         )
 
     def scale(self, c: ScalarLike) -> "KroneckerFactored":
-        """c·B, stored as (c·G) ⊗ A; eigendecompositions are kept, rescaled."""
+        r"""$cB$, stored as $(cG) \otimes A$; eigendecompositions are kept, rescaled."""
         c = check_scalar(c, "c", self.a.dtype)
         g_eig = None if self.g_eig is None else (c * self.g_eig[0], self.g_eig[1])
         return KroneckerFactored(
