@@ -1,15 +1,19 @@
-"""Influence functions: how up-weighting a training example changes a query's loss.
+r"""Influence functions: how up-weighting a training example changes a query's loss.
 
-For a model trained on the mean loss L(θ) = (1/N) Σₙ ℓₙ(θ), the score of training
-example t on query q is
+For a model trained on the mean loss $L(\theta) = \frac{1}{N} \sum_n \ell_n(\theta)$,
+the score of training example $t$ on query $q$ is
 
-    score(q, t) = ∇ℓ_q(θ)ᵀ (H + λ·I)⁻¹ ∇ℓ_t(θ),
+$$
+\operatorname{score}(q, t)
+= \nabla \ell_q(\theta)^\top (H + \lambda I)^{-1} \nabla \ell_t(\theta),
+$$
 
-with H a curvature of the mean loss (identity, diagonal, K-FAC, EKFAC, or the exact
-GGN by conjugate gradients). Removing t moves the parameters by ≈ (1/N)(H + λI)⁻¹∇ℓ_t,
-so the query loss changes by ≈ +score/N: a positive score marks a *helpful*
-example (up-weighting it lowers the query loss), as in kronfluence; Koh & Liang's
-I_up,loss is −score.
+with $H$ a curvature of the mean loss (identity, diagonal, K-FAC, EKFAC, or the exact
+GGN by conjugate gradients). Removing $t$ moves the parameters by
+$\approx \frac{1}{N} (H + \lambda I)^{-1} \nabla \ell_t$, so the query loss changes by
+$\approx +\operatorname{score}/N$: a positive score marks a *helpful* example
+(up-weighting it lowers the query loss), as in kronfluence; Koh & Liang's
+$\mathcal{I}_{\text{up,loss}}$ is $-\operatorname{score}$.
 """
 
 import abc
@@ -27,7 +31,7 @@ from ._curvature import Curvature
 
 
 class AbstractInverse(eqx.Module):
-    """A damped inverse curvature (H + λ·I)⁻¹ applied to gradient PyTrees.
+    r"""A damped inverse curvature $(H + \lambda I)^{-1}$ applied to gradient PyTrees.
 
     !!! Example
 
@@ -46,7 +50,7 @@ class AbstractInverse(eqx.Module):
 
     @abc.abstractmethod
     def solve(self, vector: PyTree) -> PyTree:
-        """(H + λ·I)⁻¹ v.
+        r"""$(H + \lambda I)^{-1} v$.
 
         **Arguments:**
 
@@ -59,7 +63,9 @@ class AbstractInverse(eqx.Module):
 
 
 class Identity(AbstractInverse):
-    """H = 0, λ = 1: scores are plain gradient dot products (TracIn at one point).
+    r"""$H = 0$, $\lambda = 1$: scores are plain gradient dot products.
+
+    This is TracIn at one point.
 
     !!! Example
 
@@ -78,13 +84,15 @@ class Identity(AbstractInverse):
 
 
 class CurvatureInverse(AbstractInverse):
-    """(C + λ·I)⁻¹ through a `Curvature`'s exact block solves (`Curvature.solve`).
+    r"""$(C + \lambda I)^{-1}$ through a `Curvature`'s exact block solves.
+
+    It uses `Curvature.solve`.
 
     **Fields:**
 
     - `curvature`: a `Curvature` of the mean training loss (`Diagonal()`, `KFAC()`,
         `EKFAC()`, `Dense()`, ...), over the same `where` as the gradients.
-    - `damping`: λ > 0.
+    - `damping`: $\lambda > 0$.
 
     !!! Example
 
@@ -110,18 +118,20 @@ class CurvatureInverse(AbstractInverse):
 
 
 class ConjugateGradient(AbstractInverse):
-    """(H + λ·I)⁻¹ by `lineax.CG` on a matrix-free operator, e.g. the exact GGN
-    `eqfisher.ggn_operator(loss_fn, model, train)`.
+    r"""$(H + \lambda I)^{-1}$ by `lineax.CG` on a matrix-free operator, e.g. the
+    exact GGN `eqfisher.ggn_operator(loss_fn, model, train)`.
 
-    The system is solved as (H/λ + I) x = v/λ, whose eigenvalues are at least 1:
-    lineax's CG breakdown test (pᵀAp against 100·ε·size·rᵀr) then never trips in
-    float32, whatever the scale of H.
+    The system is solved as $(H/\lambda + I)\, x = v/\lambda$, whose eigenvalues are
+    at least 1: lineax's CG breakdown test ($p^\top A p$ against
+    $100 \cdot \varepsilon \cdot \text{size} \cdot r^\top r$) then never trips in
+    float32, whatever the scale of $H$.
 
     **Fields:**
 
     - `operator`: a symmetric PSD lineax operator over the gradients' PyTree.
-    - `damping`: λ > 0.
-    - `rtol`, `atol`, `max_steps`: for `lineax.CG` (`atol` relative to ‖v‖∞/λ).
+    - `damping`: $\lambda > 0$.
+    - `rtol`, `atol`, `max_steps`: for `lineax.CG` (`atol` relative to
+      $\lVert v \rVert_\infty / \lambda$).
 
     !!! Example
 
@@ -222,7 +232,8 @@ def influence_scores(
     query_chunk_size: int | None = None,
     query_rank: int | None = None,
 ) -> Float[Array, "queries examples"]:
-    """Pairwise scores ∇ℓ_qᵀ (H + λI)⁻¹ ∇ℓ_t for every query q and training example t.
+    r"""Pairwise scores $\nabla \ell_q^\top (H + \lambda I)^{-1} \nabla \ell_t$ for
+    every query $q$ and training example $t$.
 
     The query gradients are preconditioned once (`query_chunk_size` at a time);
     training gradients are then formed `chunk_size` examples at a time and paired
@@ -294,8 +305,8 @@ def self_influence(
     where=None,
     chunk_size: int | None = None,
 ) -> Float[Array, " examples"]:
-    """∇ℓ_tᵀ (H + λI)⁻¹ ∇ℓ_t for every training example t (outlier and mislabel
-    detection), `chunk_size` examples at a time.
+    r"""$\nabla \ell_t^\top (H + \lambda I)^{-1} \nabla \ell_t$ for every training
+    example $t$ (outlier and mislabel detection), `chunk_size` examples at a time.
 
     **Arguments:**
 
