@@ -74,9 +74,10 @@ def block_size(block: AbstractBlock) -> int:
 def sqrt_inverse_mv(
     block: AbstractBlock, vector: tuple[Array, ...], scale, prior
 ) -> tuple[Array, ...]:
-    """(scale·B + prior·I)^(-1/2) v, the symmetric square root, for one block type.
+    r"""$(\text{scale} \cdot B + \text{prior} \cdot I)^{-1/2} v$, for one block type.
 
-    Applied to a standard normal v it gives a sample of N(0, (scale·B + prior·I)⁻¹).
+    It uses the symmetric square root. Applied to a standard normal $v$ it gives a
+    sample of $\mathcal{N}(0, (\text{scale} \cdot B + \text{prior} \cdot I)^{-1})$.
     `Laplace.sample` uses it; a new block type registers its own implementation
     with `eqfisher.laplace.sqrt_inverse_mv.register`.
 

@@ -38,7 +38,7 @@ def negative_log_likelihood(
 def brier_score(
     probs: Float[Array, "batch classes"], labels: Int[Array, " batch"]
 ) -> Float[Array, ""]:
-    """The mean over examples of Σ_k (p_k − 1[k = label])².
+    r"""The mean over examples of $\sum_k (p_k - \mathbf{1}[k = \text{label}])^2$.
 
     **Arguments:**
 
@@ -68,10 +68,16 @@ def expected_calibration_error(
     *,
     bins: int = 10,
 ) -> Float[Array, ""]:
-    """Σ_bins (n_bin/n)·|accuracy − confidence| over equal-width confidence bins.
+    r"""The expected calibration error over equal-width confidence bins:
 
-    A confidence c falls in bin ⌈c·bins⌉ − 1 (bins are closed on the right, the
-    first also on the left), as in laplace-torch's and torchmetrics' ECE.
+    $$
+    \sum_{\text{bins}} (n_{\text{bin}} / n) \cdot
+    \lvert \text{accuracy} - \text{confidence} \rvert.
+    $$
+
+    A confidence $c$ falls in bin $\lceil c \cdot \text{bins} \rceil - 1$ (bins are
+    closed on the right, the first also on the left), as in laplace-torch's and
+    torchmetrics' ECE.
 
     **Arguments:**
 

@@ -22,18 +22,19 @@ def optimize_hyperparameters(
     learning_rate: float = 0.1,
     noise: bool = False,
 ) -> tuple[Laplace, jax.Array]:
-    """Maximises `log_marginal_likelihood` over log δ (and log σ) with Adam, compiled.
+    r"""Maximises `log_marginal_likelihood` over $\log \delta$ (and $\log \sigma$) with
+    Adam, compiled.
 
-    The curvature and θ* stay fixed: this is the post-hoc tuning of laplace-torch's
-    `optimize_prior_precision(method="marglik")`; for the online version during
-    training see `marglik_training`.
+    The curvature and $\theta^*$ stay fixed: this is the post-hoc tuning of
+    laplace-torch's `optimize_prior_precision(method="marglik")`; for the online
+    version during training see `marglik_training`.
 
     **Arguments:**
 
     - `posterior`: a `Laplace`; its hyperparameters are the starting point.
     - `steps`: Adam steps.
     - `learning_rate`: Adam's step size on the log-hyperparameters.
-    - `noise`: also tune σ (regression only).
+    - `noise`: also tune $\sigma$ (regression only).
 
     **Returns:**
 
@@ -101,13 +102,14 @@ def marglik_training(
     prior_precision: ScalarLike = 1.0,
     noise: bool = False,
 ) -> tuple[PyTree, Laplace, list[float]]:
-    """Online marginal-likelihood training (Immer et al., 2021), full batch.
+    r"""Online marginal-likelihood training (Immer et al., 2021), full batch.
 
     The parameters follow `optimizer` on the MAP objective
-    L(θ) + (1/2N) Σ_b δ_b ‖θ_b‖² (the mean loss plus the prior, per block); after
-    `burn_in` steps and then every `hyper_every` steps, a Laplace posterior is fitted
-    at the current parameters and δ (and σ with `noise=True`) take `hyper_steps`
-    Adam steps on its log marginal likelihood. The run ends with such an update.
+    $L(\theta) + \frac{1}{2N} \sum_b \delta_b \lVert \theta_b \rVert^2$ (the mean loss
+    plus the prior, per block); after `burn_in` steps and then every `hyper_every`
+    steps, a Laplace posterior is fitted at the current parameters and $\delta$ (and
+    $\sigma$ with `noise=True`) take `hyper_steps` Adam steps on its log marginal
+    likelihood. The run ends with such an update.
 
     **Arguments:**
 
@@ -118,8 +120,8 @@ def marglik_training(
     - `hyper_every`, `hyper_steps`, `hyper_learning_rate`: the hyperparameter
         updates' period, length and Adam step size.
     - `burn_in`: parameter steps before the first hyperparameter update.
-    - `prior_precision`: the initial δ.
-    - `noise`: also tune σ (regression).
+    - `prior_precision`: the initial $\delta$.
+    - `noise`: also tune $\sigma$ (regression).
 
     **Returns:**
 

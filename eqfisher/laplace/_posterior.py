@@ -48,27 +48,32 @@ def _prior_dict(curv: Curvature, prior_precision, dtype) -> dict[str, Array]:
 
 
 class Laplace(eqx.Module):
-    """A Laplace approximation N(θ*, Λ⁻¹) of the posterior over (some) parameters.
+    r"""A Laplace approximation $\mathcal{N}(\theta^*, \Lambda^{-1})$ of the posterior
+    over (some) parameters.
 
-    The posterior precision is Λ = (N / (σ²·T))·C + diag(δ), where C is the
+    The posterior precision is
+    $\Lambda = \frac{N}{\sigma^2 T} C + \operatorname{diag}(\delta)$, where $C$ is the
     curvature of the *mean* training loss (eqfisher's convention; hence the factor
-    N, the number of training examples), σ the observation noise (regression only;
-    1 for classification), T the temperature and δ the prior precision, one scalar
-    per curvature block. Every product, solve, log-determinant and sample works
-    block by block through the blocks' own methods (eigendecompositions for K-FAC
-    and EKFAC), so any structure and any `where=` subset are covered.
+    $N$, the number of training examples), $\sigma$ the observation noise (regression
+    only; 1 for classification), $T$ the temperature and $\delta$ the prior
+    precision, one scalar per curvature block. Every product, solve, log-determinant
+    and sample works block by block through the blocks' own methods
+    (eigendecompositions for K-FAC and EKFAC), so any structure and any `where=`
+    subset are covered.
 
     **Fields:**
 
-    - `curvature`: the `Curvature` C of the mean loss at θ*.
-    - `model`: the model at θ* (the posterior mean for the selected parameters).
-    - `loss`: the mean training loss L(θ*) (the registered loss, without prior).
-    - `num_data`: N, the number of examples the mean loss averages over.
-    - `prior_precision`: a dict from block name to the scalar δ of that block.
-    - `noise_std`: σ (regression); 1 for classification.
-    - `temperature`: T.
+    - `curvature`: the `Curvature` $C$ of the mean loss at $\theta^*$.
+    - `model`: the model at $\theta^*$ (the posterior mean for the selected
+      parameters).
+    - `loss`: the mean training loss $L(\theta^*)$ (the registered loss, without
+      prior).
+    - `num_data`: $N$, the number of examples the mean loss averages over.
+    - `prior_precision`: a dict from block name to the scalar $\delta$ of that block.
+    - `noise_std`: $\sigma$ (regression); 1 for classification.
+    - `temperature`: $T$.
     - `likelihood`: static; `"classification"` or `"regression"`.
-    - `num_outputs`: static; the output size D (the Gaussian normaliser).
+    - `num_outputs`: static; the output size $D$ (the Gaussian normaliser).
 
     !!! Example
 
@@ -110,22 +115,23 @@ class Laplace(eqx.Module):
         temperature: ScalarLike = 1.0,
         num_outputs: int = 1,
     ):
-        """**Arguments:**
+        r"""**Arguments:**
 
         - `curvature`: from `eqfisher.curvature(...)` on the mean training loss at
             the trained parameters (any estimator, structure and `where`).
         - `model`: the trained model.
         - `loss`: the mean training loss at `model` (negative log-likelihood per
             example, as registered: `softmax_cross_entropy`, `squared_error`, ...).
-        - `num_data`: N, the number of training examples.
+        - `num_data`: $N$, the number of training examples.
         - `likelihood`: `"classification"` (categorical or Bernoulli) or
-            `"regression"` (Gaussian, with `squared_error`'s ½‖y − f‖²).
-        - `prior_precision`: δ, a positive scalar, or a dict with one per block
+            `"regression"` (Gaussian, with `squared_error`'s
+            $\frac{1}{2} \lVert y - f \rVert^2$).
+        - `prior_precision`: $\delta$, a positive scalar, or a dict with one per block
             (the names of `curvature.blocks`: per layer with a block structure).
-        - `noise_std`: σ > 0, regression only (default 1).
-        - `temperature`: T > 0.
-        - `num_outputs`: D, regression only: the Gaussian normaliser is
-            N·D·log(σ√(2π)).
+        - `noise_std`: $\sigma > 0$, regression only (default 1).
+        - `temperature`: $T > 0$.
+        - `num_outputs`: $D$, regression only: the Gaussian normaliser is
+            $N D \log(\sigma \sqrt{2\pi})$.
         """
         if likelihood not in ("classification", "regression"):
             raise ValueError(
@@ -154,12 +160,12 @@ class Laplace(eqx.Module):
 
     @property
     def curvature_scale(self) -> Float[Array, ""]:
-        """N / (σ²·T): the factor on C in the posterior precision."""
+        r"""$N / (\sigma^2 T)$: the factor on $C$ in the posterior precision."""
         return self.num_data / (self.noise_std**2 * self.temperature)
 
     @property
     def mean(self) -> PyTree:
-        """θ*: the selected parameters (others `None`), the posterior mean."""
+        r"""$\theta^*$: the selected parameters (others `None`), the posterior mean."""
         params = eqx.filter(self.model, eqx.is_inexact_array)
         return jax.tree_util.tree_map(
             lambda p, s: None if s is None else p, params, self.curvature.structure
@@ -171,12 +177,12 @@ class Laplace(eqx.Module):
         prior_precision: ScalarLike | dict[str, ScalarLike] | None = None,
         noise_std: ScalarLike | None = None,
     ) -> "Laplace":
-        """This posterior with other hyperparameters (differentiable in them).
+        r"""This posterior with other hyperparameters (differentiable in them).
 
         **Arguments:**
 
         - `prior_precision`: a scalar or a dict per block; `None` keeps it.
-        - `noise_std`: σ (regression); `None` keeps it.
+        - `noise_std`: $\sigma$ (regression); `None` keeps it.
 
         **Returns:**
 
@@ -199,7 +205,7 @@ class Laplace(eqx.Module):
         return out
 
     def covariance_mv(self, vector: PyTree) -> PyTree:
-        """Λ⁻¹ v, block by block through each block's exact damped solve.
+        r"""$\Lambda^{-1} v$, block by block through each block's exact damped solve.
 
         **Arguments:**
 
@@ -207,7 +213,7 @@ class Laplace(eqx.Module):
 
         **Returns:**
 
-        Λ⁻¹ v, a PyTree like `vector`.
+        $\Lambda^{-1} v$, a PyTree like `vector`.
         """
         scale = self.curvature_scale
 
@@ -218,7 +224,7 @@ class Laplace(eqx.Module):
         return map_blocks(self.curvature, vector, fn, "Laplace.covariance_mv")
 
     def precision_mv(self, vector: PyTree) -> PyTree:
-        """Λ v.
+        r"""$\Lambda v$.
 
         **Arguments:**
 
@@ -226,7 +232,7 @@ class Laplace(eqx.Module):
 
         **Returns:**
 
-        Λ v, a PyTree like `vector`.
+        $\Lambda v$, a PyTree like `vector`.
         """
         scale = self.curvature_scale
 
@@ -240,7 +246,13 @@ class Laplace(eqx.Module):
         return map_blocks(self.curvature, vector, fn, "Laplace.precision_mv")
 
     def log_det_precision(self) -> Float[Array, ""]:
-        """log det Λ = Σ_b P_b·log(N/(σ²T)) + log det(B_b + δ_b·σ²T/N)."""
+        r"""$\log\det \Lambda$: the sum over blocks $b$ (of $P_b$ parameters each) of
+
+        $$
+        P_b \log \frac{N}{\sigma^2 T}
+        + \log\det\Bigl(B_b + \frac{\delta_b \sigma^2 T}{N} I\Bigr).
+        $$
+        """
         scale = self.curvature_scale
         return sum(
             block_size(b) * jnp.log(scale) + b.logdet(self.prior_precision[n] / scale)
@@ -248,7 +260,8 @@ class Laplace(eqx.Module):
         )
 
     def log_likelihood(self) -> Float[Array, ""]:
-        """log p(D | θ*): −N·L/(σ²T), minus N·D·log(σ√(2π)) for regression."""
+        r"""$\log p(D \mid \theta^*)$: $-N L / (\sigma^2 T)$, minus
+        $N D \log(\sigma \sqrt{2\pi})$ for regression."""
         value = -self.num_data * self.loss / (self.noise_std**2 * self.temperature)
         if self.likelihood == "regression":
             norm = jnp.log(self.noise_std * math.sqrt(2 * math.pi))
@@ -256,10 +269,16 @@ class Laplace(eqx.Module):
         return value
 
     def log_marginal_likelihood(self) -> Float[Array, ""]:
-        """The Laplace estimate of log p(D | δ, σ).
+        r"""The Laplace estimate of $\log p(D \mid \delta, \sigma)$.
 
-        log p(D | θ*) − ½ Σ_b δ_b‖θ*_b‖² + ½ Σ_b P_b log δ_b − ½ log det Λ
-        (the 2π terms of prior and posterior cancel), as in laplace-torch. It is
+        $$
+        \log p(D \mid \theta^*)
+        - \frac{1}{2} \sum_b \delta_b \lVert \theta^*_b \rVert^2
+        + \frac{1}{2} \sum_b P_b \log \delta_b
+        - \frac{1}{2} \log\det \Lambda
+        $$
+
+        (the $2\pi$ terms of prior and posterior cancel), as in laplace-torch. It is
         differentiable in `prior_precision` and `noise_std`.
 
         **Returns:**
@@ -280,11 +299,11 @@ class Laplace(eqx.Module):
         )
 
     def sample(self, key: PRNGKeyArray, num_samples: int) -> PyTree:
-        """Parameters drawn from the posterior, stacked on a leading axis.
+        r"""Parameters drawn from the posterior, stacked on a leading axis.
 
-        Each block's sample is θ*_b + (s·B_b + δ_b·I)^(-1/2) z, z standard normal,
-        with the square root from the block's eigendecomposition (K-FAC and EKFAC
-        through their eigenbases; `Full` through `eigh`).
+        Each block's sample is $\theta^*_b + (s B_b + \delta_b I)^{-1/2} z$, $z$
+        standard normal, with the square root from the block's eigendecomposition
+        (K-FAC and EKFAC through their eigenbases; `Full` through `eigh`).
 
         **Arguments:**
 

@@ -23,15 +23,17 @@ def glm_predictive(
     chunk_size: int | None = None,
     output_chunk_size: int | None = None,
 ) -> tuple[Float[Array, "batch out"], Float[Array, "batch out out"]]:
-    """The linearised predictive: outputs f(x; θ*) and their covariance J Λ⁻¹ Jᵀ.
+    r"""The linearised predictive: outputs $f(x; \theta^*)$ and their covariance
+    $J \Lambda^{-1} J^\top$.
 
     Per example, the network is linearised once (`jax.linearize`); for each output
-    l, one VJP gives the row Jᵀe_l, `Laplace.covariance_mv` maps it through Λ⁻¹
-    block by block, and one JVP gives the column J Λ⁻¹ Jᵀ e_l. The Jacobian is
-    never formed: memory is chunk_size·output_chunk_size·P for P selected
+    $l$, one VJP gives the row $J^\top e_l$, `Laplace.covariance_mv` maps it through
+    $\Lambda^{-1}$ block by block, and one JVP gives the column
+    $J \Lambda^{-1} J^\top e_l$. The Jacobian is never formed: memory is
+    $\text{chunk\_size} \cdot \text{output\_chunk\_size} \cdot P$ for $P$ selected
     parameters (outputs run `output_chunk_size` at a time, examples `chunk_size`
     at a time, both through `jax.lax.map`). The covariance is of the function
-    values; for regression add σ² for the noisy targets.
+    values; for regression add $\sigma^2$ for the noisy targets.
 
     **Arguments:**
 
@@ -85,9 +87,10 @@ def predictive_samples(
     linearised: bool = True,
     apply: Callable[[PyTree, PyTree], Float[Array, " out"]] = _call,
 ) -> Float[Array, "samples batch out"]:
-    """Outputs under parameters drawn from the posterior (`Laplace.sample`).
+    r"""Outputs under parameters drawn from the posterior (`Laplace.sample`).
 
-    Linearised: f(x; θ*) + J (θ − θ*), one JVP per sample, never forming J.
+    Linearised: $f(x; \theta^*) + J (\theta - \theta^*)$, one JVP per sample, never
+    forming $J$.
     Otherwise the network itself at each sample.
 
     **Arguments:**
@@ -135,7 +138,8 @@ def probit(
     mean: Float[Array, "batch classes"],
     covariance: Float[Array, "batch classes classes"],
 ) -> Float[Array, "batch classes"]:
-    """MacKay's probit approximation: softmax(μ / √(1 + π/8·diag Σ)).
+    r"""MacKay's probit approximation:
+    $\operatorname{softmax}(\mu / \sqrt{1 + \frac{\pi}{8} \operatorname{diag} \Sigma})$.
 
     **Arguments:**
 
