@@ -173,26 +173,10 @@ def test_the_checks_see_formulas():
 
 # Source files whose docstrings still have Unicode formulas, relative to the
 # repository root. Empty it as they are converted, and keep it empty.
+# eqfisher/_tracing.py: `RegisteredLoss.weights` (left to that file's owner).
 UNICODE_DOCSTRINGS = frozenset(
     {
-        "eqfisher/_adaptive.py",
-        "eqfisher/_curvature.py",
-        "eqfisher/_structures.py",
         "eqfisher/_tracing.py",
-        "eqfisher/blocks/_base.py",
-        "eqfisher/blocks/eigen_kronecker.py",
-        "eqfisher/blocks/full.py",
-        "eqfisher/blocks/kronecker.py",
-        "eqfisher/influence.py",
-        "eqfisher/laplace/_blockwise.py",
-        "eqfisher/laplace/_calibration.py",
-        "eqfisher/laplace/_marglik.py",
-        "eqfisher/laplace/_posterior.py",
-        "eqfisher/laplace/_predictive.py",
-        "eqfisher/spectral/_density.py",
-        "eqfisher/spectral/_eigen.py",
-        "eqfisher/spectral/_norm.py",
-        "eqfisher/spectral/_trace.py",
     }
 )
 

@@ -28,9 +28,10 @@ def _check_shape(caller: str, points: int, kappa: float, margin: float) -> None:
 
 
 class Quadrature(eqx.Module):
-    """Gauss quadrature rules from Lanczos runs, one per random starting vector v:
-    Σⱼ weights[r, j]·f(nodes[r, j]) = vᵣᵀ f(A) vᵣ for polynomials f of degree below
-    2·iterations, and ≈ tr f(A)/size on average over the runs.
+    r"""Gauss quadrature rules from Lanczos runs, one per random starting vector $v$:
+    $\sum_j \text{weights}[r, j] \cdot f(\text{nodes}[r, j]) = v_r^\top f(A)\, v_r$ for
+    polynomials $f$ of degree below $2 \cdot \text{iterations}$, and
+    $\approx \operatorname{tr} f(A) / \text{size}$ on average over the runs.
 
     **Fields:**
 
@@ -63,14 +64,15 @@ class Quadrature(eqx.Module):
         margin: float = 0.05,
         boundaries: tuple[float, float] | None = None,
     ) -> tuple[Float[Array, " points"], Float[Array, " points"]]:
-        """The spectral density p(λ) = (1/size) Σᵢ δ(λ − λᵢ), smoothed (Papyan's
-        algorithm 2): each node becomes a Gaussian bump whose width is set by `kappa`
-        on the spectrum mapped to [−1, 1].
+        r"""The spectral density
+        $p(\lambda) = \frac{1}{\text{size}} \sum_i \delta(\lambda - \lambda_i)$,
+        smoothed (Papyan's algorithm 2): each node becomes a Gaussian bump whose
+        width is set by `kappa` on the spectrum mapped to $[-1, 1]$.
 
         **Arguments:**
 
         - `points`: the grid's resolution.
-        - `kappa`: the bumps' width parameter, > 1 (larger: narrower bumps).
+        - `kappa`: the bumps' width parameter, $> 1$ (larger: narrower bumps).
         - `margin`: the grid extends this fraction of the spectrum's width beyond
           `boundaries`.
         - `boundaries`: `(λ_min, λ_max)`; default the extreme nodes.
@@ -101,20 +103,22 @@ class Quadrature(eqx.Module):
         boundaries: tuple[float, float] | None = None,
         epsilon: float = 1e-5,
     ) -> tuple[Float[Array, " points"], Float[Array, " points"]]:
-        """The density of the spectrum on a logarithmic scale (Papyan's section C.7):
-        the bumps are placed at log(|λ| + ε), so eigenvalues spread over orders of
-        magnitude are resolved alike.
+        r"""The density of the spectrum on a logarithmic scale (Papyan's section C.7):
+        the bumps are placed at $\log(\lvert \lambda \rvert + \varepsilon)$, so
+        eigenvalues spread over orders of magnitude are resolved alike.
 
         **Arguments:**
 
         - `points`, `kappa`, `margin`: as in `density`, on the log scale.
         - `boundaries`: `(min |λ|, max |λ|)`; default the extreme |nodes|.
-        - `epsilon`: the shift ε > 0 keeping log finite at zero eigenvalues.
+        - `epsilon`: the shift $\varepsilon > 0$ keeping log finite at zero eigenvalues.
 
         **Returns:**
 
-        `(grid, density)`: `grid` log-spaced values of |λ| + ε; `density` the
-        density of |λ| + ε per unit of λ (plot it with a logarithmic x-axis).
+        `(grid, density)`: `grid` log-spaced values of
+        $\lvert \lambda \rvert + \varepsilon$; `density` the density of
+        $\lvert \lambda \rvert + \varepsilon$ per unit of $\lambda$ (plot it with a
+        logarithmic x-axis).
         """
         _check_shape("eqfisher.spectral.Quadrature.log_density", points, kappa, margin)
         if not epsilon > 0:
@@ -209,7 +213,7 @@ def spectral_density(
     log: bool = False,
     epsilon: float = 1e-5,
 ) -> tuple[Float[Array, " points"], Float[Array, " points"]]:
-    """The smoothed spectral density of a symmetric operator, by stochastic Lanczos
+    r"""The smoothed spectral density of a symmetric operator, by stochastic Lanczos
     quadrature (Papyan, 2020): `lanczos_quadrature(...)` then its `density(...)`, or
     `log_density(...)` with `log=True`.
 
@@ -220,8 +224,8 @@ def spectral_density(
     - `points`, `kappa`, `margin`, `boundaries`: as in
       [`eqfisher.spectral.Quadrature.density`][]; `kappa` defaults to 3 (1.04 with
       `log=True`, the values of Papyan and curvlinops).
-    - `log`: the density of log(|λ| + `epsilon`) instead (see
-      [`eqfisher.spectral.Quadrature.log_density`][]).
+    - `log`: the density of $\log(\lvert \lambda \rvert + \varepsilon)$ instead, with
+      $\varepsilon$ = `epsilon` (see [`eqfisher.spectral.Quadrature.log_density`][]).
 
     **Returns:**
 

@@ -19,13 +19,14 @@ def top_eigenpairs(
     iterations: int | None = None,
     which: Literal["largest", "smallest"] = "largest",
 ) -> tuple[Float[Array, " k"], PyTree[Float[Array, "k ..."]]]:
-    """The k largest (or smallest) eigenvalues of a symmetric operator and their
+    r"""The $k$ largest (or smallest) eigenvalues of a symmetric operator and their
     eigenvectors, by Lanczos with full reorthogonalisation.
 
     Ritz pairs of `iterations` Lanczos steps (`iterations` products, memory
     `iterations` × the number of parameters). The extreme eigenvalues converge
     first; `iterations` equal to the number of parameters gives them to working
-    precision. A Ritz value is never beyond the true one (λₖ ≥ θₖ for `"largest"`).
+    precision. A Ritz value is never beyond the true one ($\lambda_k \ge \theta_k$ for
+    `"largest"`).
 
     **Arguments:**
 
@@ -80,13 +81,13 @@ def extreme_eigenvalues(
     iterations: int,
     key: PRNGKeyArray,
 ) -> tuple[Float[Array, ""], Float[Array, ""]]:
-    """Estimates of the smallest and largest eigenvalues of a symmetric operator,
+    r"""Estimates of the smallest and largest eigenvalues of a symmetric operator,
     from `iterations` plain Lanczos steps (no stored basis: memory of a few
     parameter vectors).
 
     The extreme Ritz values converge fastest of all: a few tens of products give
     the largest eigenvalue (the sharpness) to a few digits on curvature matrices.
-    In exact arithmetic the estimates lie inside [λ_min, λ_max].
+    In exact arithmetic the estimates lie inside $[\lambda_{\min}, \lambda_{\max}]$.
 
     **Arguments:**
 

@@ -21,9 +21,15 @@ def squared_frobenius_norm(
     distribution: Distribution = "rademacher",
     batch_size: int | None = None,
 ) -> Float[Array, ""]:
-    """A randomised estimate of ‖A‖_F² = tr(AᵀA) ≈ (1/m) Σᵢ ‖A wᵢ‖².
+    r"""A randomised estimate of the squared Frobenius norm:
 
-    Unbiased; with Rademacher vectors its variance is 2(‖AᵀA‖_F² − Σⱼ (AᵀA)ⱼⱼ²)/m.
+    $$
+    \lVert A \rVert_F^2 = \operatorname{tr}(A^\top A)
+    \approx \frac{1}{m} \sum_i \lVert A w_i \rVert^2.
+    $$
+
+    Unbiased; with Rademacher vectors its variance is
+    $2 (\lVert A^\top A \rVert_F^2 - \sum_j (A^\top A)_{jj}^2) / m$.
 
     **Arguments:**
 

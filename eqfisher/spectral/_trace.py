@@ -74,11 +74,16 @@ class AbstractTraceEstimator(eqx.Module):
 
 
 class Hutchinson(AbstractTraceEstimator):
-    """Hutchinson's estimator: tr(A) ≈ (1/m) Σᵢ wᵢᵀ A wᵢ and diag(A) ≈ (1/m) Σᵢ wᵢ ⊙ A wᵢ.
+    r"""Hutchinson's estimator of the trace and the diagonal:
+
+    $$
+    \operatorname{tr}(A) \approx \frac{1}{m} \sum_i w_i^\top A w_i, \qquad
+    \operatorname{diag}(A) \approx \frac{1}{m} \sum_i w_i \odot A w_i.
+    $$
 
     With Rademacher vectors the trace estimate has variance
-    2(‖A‖_F² − Σⱼ Aⱼⱼ²)/m (symmetric A), the diagonal entry j variance
-    Σ_{l≠j} Aⱼₗ²/m.
+    $2 (\lVert A \rVert_F^2 - \sum_j A_{jj}^2) / m$ (symmetric $A$), the diagonal
+    entry $j$ variance $\sum_{l \ne j} A_{jl}^2 / m$.
 
     **Arguments:**
 
@@ -119,12 +124,13 @@ class Hutchinson(AbstractTraceEstimator):
 
 
 class HutchPlusPlus(AbstractTraceEstimator):
-    """Hutch++ (Meyer, Musco, Musco and Woodruff, 2021) and its diagonal analogue
+    r"""Hutch++ (Meyer, Musco, Musco and Woodruff, 2021) and its diagonal analogue
     Diag++ (Baston and Nakatsukasa, 2022).
 
-    A third of the products sketch the range of A (Q = orth(A S)), where the trace
-    (or diagonal of Q Qᵀ A) is computed exactly; the rest goes to Hutchinson's
-    estimator on the complement I − Q Qᵀ. Exact when rank(A) ≤ `matvecs`/3.
+    A third of the products sketch the range of $A$ ($Q = \operatorname{orth}(A S)$),
+    where the trace (or diagonal of $Q Q^\top A$) is computed exactly; the rest goes
+    to Hutchinson's estimator on the complement $I - Q Q^\top$. Exact when
+    $\operatorname{rank}(A) \le \text{matvecs} / 3$.
 
     **Arguments:**
 
