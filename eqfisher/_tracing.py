@@ -62,8 +62,9 @@ class RegisteredLoss(eqx.Module):
     coefficient: Float[Array, "*lanes"]
 
     def weights(self) -> Float[Array, "*leading"]:
-        """Each example's weight in the returned value: coefficient · mask / Σ mask
-        (coefficient / N without mask), Σ over each lane."""
+        r"""Each example's weight in the returned value:
+        $\text{coefficient} \cdot \text{mask} / \sum \text{mask}$
+        ($\text{coefficient} / N$ without a mask), the sum over each lane."""
         lanes = self.coefficient.ndim
         rest = self.mask.ndim - lanes
         axes = tuple(range(lanes, self.mask.ndim))

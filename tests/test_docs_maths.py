@@ -173,12 +173,7 @@ def test_the_checks_see_formulas():
 
 # Source files whose docstrings still have Unicode formulas, relative to the
 # repository root. Empty it as they are converted, and keep it empty.
-# eqfisher/_tracing.py: `RegisteredLoss.weights` (left to that file's owner).
-UNICODE_DOCSTRINGS = frozenset(
-    {
-        "eqfisher/_tracing.py",
-    }
-)
+UNICODE_DOCSTRINGS: frozenset[str] = frozenset()
 
 
 def _source(obj) -> str:
