@@ -8,6 +8,11 @@ minor versions. It exists so that tests and benchmarks need no private module
 from ._cli import main as main  # the `eqfisher` console script, with its argv
 from ._layers import LayerRecord as LayerRecord, detect as detect
 from ._patches import conv_patches as conv_patches
+from ._statistics import (
+    kronecker_factors as kronecker_factors,
+    layer_outputs_vjp as layer_outputs_vjp,
+    pooled_factors as pooled_factors,
+)
 from ._tracing import (
     ProcessedTrace as ProcessedTrace,
     Split as Split,
