@@ -10,7 +10,7 @@ import functools
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import ScalarLike
 
 from .blocks import (
     AbstractBlock,
@@ -54,9 +54,7 @@ class AbstractDamping(eqx.Module):
     """
 
     @abc.abstractmethod
-    def precompute(
-        self, block: AbstractBlock, damping: Float[Array, ""]
-    ) -> AbstractBlock:
+    def precompute(self, block: AbstractBlock, damping: ScalarLike) -> AbstractBlock:
         r"""The damped inverse of `block`, as a block whose `mv` preconditions.
 
         **Arguments:**
@@ -71,7 +69,7 @@ class AbstractDamping(eqx.Module):
 
 
 @functools.singledispatch
-def tikhonov_inverse(block: AbstractBlock, damping: Float[Array, ""]) -> AbstractBlock:
+def tikhonov_inverse(block: AbstractBlock, damping: ScalarLike) -> AbstractBlock:
     r"""$(B + \lambda I)^{-1}$ as a block (exact for the block type).
 
     A `functools.singledispatch` function: `tikhonov_inverse.register` adds a block
@@ -169,9 +167,7 @@ class Tikhonov(AbstractDamping):
         ```
     """
 
-    def precompute(
-        self, block: AbstractBlock, damping: Float[Array, ""]
-    ) -> AbstractBlock:
+    def precompute(self, block: AbstractBlock, damping: ScalarLike) -> AbstractBlock:
         return tikhonov_inverse(block, damping)
 
 
@@ -208,7 +204,5 @@ class FactoredTikhonov(AbstractDamping):
         ```
     """
 
-    def precompute(
-        self, block: AbstractBlock, damping: Float[Array, ""]
-    ) -> AbstractBlock:
+    def precompute(self, block: AbstractBlock, damping: ScalarLike) -> AbstractBlock:
         return _factored_inverse(block, damping)
