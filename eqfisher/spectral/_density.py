@@ -146,6 +146,7 @@ class Quadrature(eqx.Module):
         return jnp.asarray(low, nodes.dtype), jnp.asarray(high, nodes.dtype)
 
 
+@eqx.filter_jit
 def lanczos_quadrature(
     operator: lx.AbstractLinearOperator,
     *,
@@ -200,6 +201,7 @@ def lanczos_quadrature(
     return Quadrature(nodes, weights)
 
 
+@eqx.filter_jit
 def spectral_density(
     operator: lx.AbstractLinearOperator,
     *,

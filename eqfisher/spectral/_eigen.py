@@ -2,6 +2,7 @@
 
 from typing import Literal
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
@@ -11,6 +12,7 @@ from ._flat import check_count, flatten
 from ._lanczos import lanczos_basis, lanczos_recurrence, tridiagonal_eigh
 
 
+@eqx.filter_jit
 def top_eigenpairs(
     operator: lx.AbstractLinearOperator,
     k: int,
@@ -75,6 +77,7 @@ def top_eigenpairs(
     return theta[order], jax.vmap(flat.unravel)(vectors)
 
 
+@eqx.filter_jit
 def extreme_eigenvalues(
     operator: lx.AbstractLinearOperator,
     *,

@@ -1,5 +1,6 @@
 """Hutchinson's estimator of the squared Frobenius norm."""
 
+import equinox as eqx
 import jax.numpy as jnp
 import lineax as lx
 from jaxtyping import Array, Float, PRNGKeyArray
@@ -13,6 +14,7 @@ from ._flat import (
 )
 
 
+@eqx.filter_jit
 def squared_frobenius_norm(
     operator: lx.AbstractLinearOperator,
     *,

@@ -278,6 +278,7 @@ def _check_estimator(estimator, caller: str) -> None:
         )
 
 
+@eqx.filter_jit
 def trace(
     operator: lx.AbstractLinearOperator,
     estimator: AbstractTraceEstimator,
@@ -320,6 +321,7 @@ def trace(
     return estimator.trace(flatten(operator, caller, batch_size), key)
 
 
+@eqx.filter_jit
 def diagonal(
     operator: lx.AbstractLinearOperator,
     estimator: AbstractTraceEstimator,
