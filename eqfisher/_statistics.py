@@ -466,9 +466,10 @@ def layer_outputs_vjp(
     Returns `(outputs, vjp_fn, (losses, layer_inputs), grad_fn)`: `outputs` are the
     registered losses' inputs and `vjp_fn` pulls cotangents of them back. When
     `full`, `outputs` is `(program outputs, loss inputs)` and `grad_fn` pulls back
-    cotangents of the program outputs (else it is None). The two VJPs trace the
-    forward separately (XLA merges the duplicate), so that pulling back the
-    curvature vectors never transposes the loss computation after the tags.
+    cotangents of the program outputs (else it is None). Both pull back through the
+    one linearisation of one forward: a forward traced twice is merged by XLA only
+    outside loops, and a model applied with `lax.scan` would run twice. Each
+    puller gives the other's outputs a zero cotangent.
     """
     coefs = processed.coefficients(s.inputs)
     # A scan step's input is read as the scan's stacked `ys` and sliced outside the
@@ -476,22 +477,31 @@ def layer_outputs_vjp(
     wanted = points([r.inputs for r in layers if isinstance(r.inputs, PVar)])
 
     def forward(p_leaves, perturb):
-        ev = processed.run(list(p_leaves) + s.others + s.batch, perturb, reads=wanted)
+        ev = processed.run(
+            list(p_leaves) + s.others + s.batch, perturb, full=full, reads=wanted
+        )
         tag_inputs = tuple(t[0] for t in ev.tags)
         aux = (processed.losses(ev, coefs), tuple(ev.read(a) for a in wanted))
-        return tag_inputs, aux
+        return (ev.outputs if full else None, tag_inputs), aux
 
     zero = VarMap.zeros(points([r.outputs for r in layers]))
-    tags, vjp, (losses, values) = jax.vjp(forward, s.params, zero, has_aux=True)
+    (program_outputs, tags), pull, (losses, values) = jax.vjp(
+        forward, s.params, zero, has_aux=True
+    )
     aux = (losses, LayerInputs(layers, VarMap(wanted, values)))
+    no_outputs = jax.tree_util.tree_map(jnp.zeros_like, program_outputs)
+
+    def vjp(tag_cotangents):
+        return pull((no_outputs, tag_cotangents))
+
     if not full:
         return tags, vjp, aux, None
+    no_tags = jax.tree_util.tree_map(jnp.zeros_like, tags)
 
-    def program(p_leaves):
-        return processed.run(list(p_leaves) + s.others + s.batch, full=True).outputs
+    def grad_vjp(output_cotangents):
+        return pull((output_cotangents, no_tags))[:1]
 
-    outputs, grad_vjp = jax.vjp(program, s.params)
-    return (outputs, tags), vjp, aux, grad_vjp
+    return (program_outputs, tags), vjp, aux, grad_vjp
 
 
 def _loss_axis(full: tuple[int, ...], one: tuple[int, ...], n: int) -> int | None:
