@@ -366,3 +366,72 @@ def test_value_grad_and_curvature_and_kfac_training():
     for _ in range(15):
         model, state, loss = step(model, state)
     assert float(ce(model, batch)) < 0.5 * float(ref_loss)
+
+
+def _while_loops(fn, model, batch) -> int:
+    """The number of XLA `while` loops in the compiled program of `fn(model, batch)`."""
+    params, static = eqx.partition(model, eqx.is_array)
+    jitted = jax.jit(lambda p, b: fn(eqx.combine(p, static), b))
+    return jitted.lower(params, batch).compile().as_text().count(" while(")
+
+
+class _Block(eqx.Module):
+    norm: eqx.nn.LayerNorm
+    attention: eqx.nn.MultiheadAttention
+    up: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.norm = eqx.nn.LayerNorm(D, dtype=F64)
+        self.attention = eqx.nn.MultiheadAttention(2, D, dtype=F64, key=k1)
+        self.up = eqx.nn.Linear(D, D, dtype=F64, key=k2)
+
+    def __call__(self, x):  # (T, D)
+        h = jax.vmap(self.norm)(x)
+        x = x + self.attention(h, h, h)
+        return x + jax.vmap(self.up)(jnp.tanh(x))
+
+
+class TinyGPT(eqx.Module):
+    """Stacked attention blocks applied by `lax.scan`, as in a GPT."""
+
+    blocks: _Block
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.blocks = eqx.filter_vmap(_Block)(jax.random.split(k1, 2))
+        self.head = eqx.nn.Linear(D, 2, dtype=F64, key=k2)
+
+    def __call__(self, x):  # (T, D) -> (2,)
+        params, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def body(h, p):
+            return eqx.combine(p, static)(h), None
+
+        return self.head(jax.lax.scan(body, x, params)[0].mean(0))
+
+
+def _while_loops(fn, model, batch) -> int:
+    """The number of XLA `while` loops in the compiled program of `fn(model, batch)`."""
+    params, static = eqx.partition(model, eqx.is_array)
+    jitted = jax.jit(lambda p, b: fn(eqx.combine(p, static), b))
+    return jitted.lower(params, batch).compile().as_text().count(" while(")
+
+
+def test_statistics_run_each_scan_forward_once():
+    # The gradient and the curvature vectors pull back through one linearisation:
+    # the scan runs forward once, backward once for the gradient and once (batched)
+    # for the vectors. XLA merged the forward traced twice for a small MLP stack,
+    # but not for attention blocks.
+    model, batch = TinyGPT(jax.random.key(0)), _data((3, D))
+    kfac = ef.filters.by_path("blocks.attention.*") | ef.filters.by_path("*up.*")
+    grad = eqx.filter_value_and_grad(ce)
+    vgc = ef.value_grad_and_curvature(
+        ce,
+        estimator=ef.GGN(),
+        structure=ef.KFAC(),
+        where=kfac | ef.filters.by_path("head.*"),
+    )
+    assert _while_loops(grad, model, batch) == 2
+    assert _while_loops(vgc, model, batch) == 3
