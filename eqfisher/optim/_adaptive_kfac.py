@@ -1,0 +1,132 @@
+"""K-FAC with step sizes and damping chosen from the local quadratic model."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from .._adaptive import AdaptiveState, adaptive_steps
+from .._curvature import Curvature
+from .._damping import Tikhonov
+from ._kfac import fold, guard, initial_state, precondition
+from ._state import (
+    KFACState,
+    check_like,
+    check_positive_int,
+    check_range,
+)
+
+
+class AdaptiveKFACState(NamedTuple):
+    r"""State of `kfac_adaptive`: the preconditioner's and the step rule's.
+
+    - `kfac`: the `KFACState` (averaged curvature, cached inverse, counters).
+    - `steps`: the step rule's: `damping` (the current $\lambda$), `previous` (the
+      last update), `count`, and `rho` (the last reduction ratio).
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        state = ef.optim.kfac_adaptive(like=curv, initial_damping=1.0).init(params)
+        assert isinstance(state, ef.optim.AdaptiveKFACState)
+        assert state.kfac.count == 0 and state.steps.damping == 1.0
+        ```
+    """
+
+    kfac: KFACState
+    steps: AdaptiveState
+
+
+def kfac_adaptive(
+    *,
+    like: Curvature,
+    initial_damping: float = 1.0,
+    decay: float = 0.95,
+    inverse_every: int = 1,
+    adapt_every: int = 5,
+    weight_decay: float = 0.0,
+) -> optax.GradientTransformationExtraArgs:
+    r"""K-FAC with the learning rate, momentum and damping chosen automatically.
+
+    Each step minimises the exact Gauss-Newton quadratic model over
+    $\alpha \Delta + \mu \delta_{-1}$ ($\Delta = -(\bar C + \lambda I)^{-1} g$ the
+    preconditioned direction, $\delta_{-1}$ the last update), and every
+    `adapt_every` steps adapts the damping $\lambda$ by the Levenberg–Marquardt rule
+    on the ratio of the actual to the predicted loss reduction (Martens & Grosse
+    2015). Meant for large batches: the model is that of one batch.
+
+    **Arguments:**
+
+    - `like`: see `kfac_preconditioner`.
+    - `initial_damping`: the first $\lambda > 0$.
+    - `decay`: see `kfac_preconditioner`.
+    - `inverse_every`: as in `kfac_preconditioner`; $\lambda$ changes take effect at
+      the next refresh (with the default 1, at once).
+    - `adapt_every`: steps between Levenberg–Marquardt adaptations.
+    - `weight_decay`: added to the gradient before preconditioning.
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs`; call `update(grads, state, params,
+    curvature=curv, quadratic=eqfisher.optim.quadratic_model(loss_fn, model,
+    batch))`. The result is the full update (no learning rate to apply).
+
+    !!! Example
+
+        ```python
+        vgc = ef.value_grad_and_curvature(
+            loss_fn, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        opt = ef.optim.kfac_adaptive(like=ef.optim.curvature_like(vgc, model, batch))
+
+        @eqx.filter_jit
+        def step(model, state):
+            params = eqx.filter(model, eqx.is_inexact_array)
+            loss, grads, curv = vgc(model, batch)
+            quadratic = ef.optim.quadratic_model(loss_fn, model, batch)
+            updates, state = opt.update(
+                grads, state, params, curvature=curv, quadratic=quadratic
+            )
+            return eqx.apply_updates(model, updates), state
+
+        trained, state = model, opt.init(params)
+        for _ in range(10):
+            trained, state = step(trained, state)
+        assert loss_fn(trained, batch) < loss_fn(model, batch)
+        print(state.steps.damping)  # adapted every 5 steps from 1.0
+        ```
+    """
+    caller = "kfac_adaptive"
+    check_like(caller, like)
+    check_range(caller, "initial_damping", initial_damping, 0.0, None, False)
+    check_range(caller, "decay", decay, 0.0, 1.0, True)
+    check_positive_int(caller, "inverse_every", inverse_every)
+    steps = adaptive_steps(initial_damping=initial_damping, adapt_every=adapt_every)
+    exact = Tikhonov()
+
+    def init(params):
+        lam = jnp.asarray(initial_damping)
+        return AdaptiveKFACState(initial_state(like, lam, exact), steps.init(params))
+
+    def update(updates, state, params=None, *, curvature=None, quadratic=None, **extra):
+        del extra
+        if weight_decay:
+            updates = jax.tree_util.tree_map(
+                lambda g, p: g + weight_decay * p, updates, params
+            )
+        kstate = state.kfac
+        if curvature is not None:
+            lam = state.steps.damping
+            kstate = fold(kstate, curvature, lam, decay, inverse_every, exact)
+        direction, kstate = guard(precondition(updates, kstate), kstate)
+        delta = jax.tree_util.tree_map(jnp.negative, direction)
+        step, sstate = steps.update(
+            delta, state.steps, params, quadratic=quadratic, grads=updates
+        )
+        return step, AdaptiveKFACState(kstate, sstate)
+
+    return optax.GradientTransformationExtraArgs(init, update)

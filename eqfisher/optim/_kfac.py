@@ -1,0 +1,291 @@
+"""K-FAC as optax transformations: the preconditioner and the optimiser."""
+
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, PyTree
+
+from .._curvature import Curvature
+from .._damping import AbstractDamping
+from ._state import (
+    DAMPING,
+    INVERSE_EVERY,
+    MOMENTUM,
+    NORM_CONSTRAINT,
+    PI_DAMPING,
+    KFACState,
+    ScalarOrSchedule,
+    all_finite,
+    check_like,
+    check_positive_int,
+    check_range,
+    value_at,
+    where_tree,
+)
+
+
+def _invert(avg: Curvature, lam: Array, damping: AbstractDamping) -> Curvature:
+    blocks = {k: damping.precompute(b, lam) for k, b in avg.blocks.items()}
+    return Curvature(blocks, avg.leaf_indices, avg.structure, avg.leaf_slices)
+
+
+def initial_state(like: Curvature, lam: Array, damping: AbstractDamping) -> KFACState:
+    zeros = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), like)
+    # `ema` drops cached eigendecompositions: the average has `ema`'s structure.
+    avg = zeros.ema(zeros, 0.0)
+    zero = jnp.zeros((), jnp.int32)
+    return KFACState(zero, zero, zero, zero, zero, avg, _invert(avg, lam, damping))
+
+
+def fold(
+    state: KFACState,
+    curvature: Curvature,
+    lam: Array,
+    decay: float,
+    inverse_every: int,
+    damping: AbstractDamping,
+) -> KFACState:
+    """Averages `curvature` in and refreshes the cached inverse when due."""
+    if jax.tree_util.tree_structure(curvature) != jax.tree_util.tree_structure(
+        state.curvature
+    ) or [jnp.shape(x) for x in jax.tree_util.tree_leaves(curvature)] != [
+        jnp.shape(x) for x in jax.tree_util.tree_leaves(state.curvature)
+    ]:
+        raise ValueError(
+            "`kfac_preconditioner.update(..., curvature=...)`: the curvature has "
+            "other blocks or shapes than the optimiser's `like=`; build `like` with "
+            "`eqfisher.optim.curvature_like` from the same function and model."
+        )
+    finite = all_finite(curvature)
+    n_good = state.curvature_count + finite.astype(jnp.int32)
+    # The time-varying decay makes this the bias-corrected average of each factor.
+    t = n_good.astype(jnp.float32)
+    d = decay * (1 - decay ** (t - 1)) / (1 - decay**t)
+    d = jnp.clip(jnp.where(n_good > 1, d, 0.0), 0.0, 1.0)
+    avg = where_tree(finite, state.curvature.ema(curvature, d), state.curvature)
+    # Early estimates change fast: refresh at each of the first `inverse_every`
+    # estimates, then at every `inverse_every`-th.
+    refresh = finite & ((n_good <= inverse_every) | (n_good % inverse_every == 0))
+
+    def refreshed():
+        new = _invert(avg, lam, damping)
+        # An inverse that came out non-finite is not cached: the old one is kept.
+        return where_tree(all_finite(new), new, state.inverse)
+
+    inverse = jax.lax.cond(refresh, refreshed, lambda: state.inverse)
+    return state._replace(
+        curvature_count=n_good,
+        nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
+        refresh_count=state.refresh_count + refresh.astype(jnp.int32),
+        curvature=avg,
+        inverse=inverse,
+    )
+
+
+def precondition(updates: PyTree, state: KFACState) -> PyTree:
+    try:
+        direction = state.inverse.mv(updates)
+    except ValueError as e:
+        raise ValueError(
+            "`kfac_preconditioner.update`: the gradients and the curvature cover "
+            "different parameters. For a curvature built with `where=`, wrap the "
+            "optimiser in `optax.masked(..., eqfisher.filters.optax_mask(model, "
+            "where))`."
+        ) from e
+    # No finite curvature seen yet: no step rather than an unpreconditioned one.
+    return jax.tree_util.tree_map(
+        lambda x: jnp.where(state.curvature_count > 0, x, jnp.zeros_like(x)), direction
+    )
+
+
+def _constrain(direction, grads, constraint, learning_rate):
+    """Scales `direction` Δ so that lr²·Δᵀg ≤ `constraint` (Δᵀg ≈ ΔᵀCΔ: the step's
+    squared length in the curvature metric), as kfac_jax's `norm_constraint`."""
+    inner = optax.tree_utils.tree_vdot(direction, grads)
+    lr = jnp.asarray(learning_rate).astype(jnp.result_type(inner))
+    size = lr**2 * jnp.maximum(inner, 0.0)
+    scale = jnp.minimum(1.0, jnp.sqrt(constraint / jnp.maximum(size, 1e-30)))
+    return jax.tree_util.tree_map(lambda d: (scale * d).astype(d.dtype), direction)
+
+
+def guard(direction: PyTree, state: KFACState) -> tuple[PyTree, KFACState]:
+    """A non-finite update (NaN gradients, a blown-up inverse) becomes no step."""
+    ok = all_finite(direction)
+    direction = jax.tree_util.tree_map(
+        lambda x: jnp.where(ok, x, jnp.zeros_like(x)), direction
+    )
+    state = state._replace(
+        count=state.count + 1,
+        skipped_count=state.skipped_count + (~ok).astype(jnp.int32),
+    )
+    return direction, state
+
+
+def kfac_preconditioner(
+    *,
+    like: Curvature,
+    damping: ScalarOrSchedule = DAMPING,
+    decay: float = 0.95,
+    inverse_every: int = INVERSE_EVERY,
+    damping_variant: AbstractDamping = PI_DAMPING,
+    norm_constraint: float | None = NORM_CONSTRAINT,
+    learning_rate: ScalarOrSchedule = 1.0,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Preconditions gradients by a damped, averaged curvature.
+
+    The update is $(C + \lambda I)^{-1} g$, with $C$ the averaged curvature.
+
+    **Arguments:**
+
+    - `like`: a `Curvature` of the shape `update` will receive (real, or from
+      `curvature_like`): `init` builds the averaged curvature (zeros) and its
+      cached inverse from it, so the state never changes structure.
+    - `damping`: $\lambda > 0$, a float or an optax schedule of the step count; the
+      value at a refresh of the cached inverse is used until the next refresh.
+    - `decay`: the moving-average weight of old curvature, in [0, 1).
+    - `inverse_every`: refresh the cached inverse at every this-many-th curvature
+      estimate (inside jit; no recompilation), and at each of the first
+      `inverse_every`, while the average is young.
+    - `damping_variant`: `FactoredTikhonov()` (default, π-damping as kfac_jax)
+      or `Tikhonov()` (exact $(\bar C + \lambda I)^{-1}$ for the averaged K-FAC
+      matrix).
+    - `norm_constraint`: $c > 0$ or `None`: the direction $\Delta$ is scaled down so
+      that $\text{lr}^2 \Delta^\top g \le c$, a trust region on the step's length in
+      the curvature metric (kfac_jax's `norm_constraint`). On by default: it keeps
+      large learning rates finite early on, when the curvature is poorly known.
+    - `learning_rate`: the rate the caller applies afterwards (a float or an optax
+      schedule), used only by `norm_constraint`.
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs`. `update(grads, state, params,
+    curvature=curv)` averages `curv` in and preconditions; `update(grads, state,
+    params)` (no curvature) only preconditions with the cached inverse, for steps
+    between curvature estimates. A curvature holding NaN or inf is not averaged in
+    (counted in `state.nonfinite_count`); a non-finite update is replaced by zero
+    (counted in `state.skipped_count`).
+
+    !!! Example
+
+        With exact damping and no norm constraint, the direction is
+        $(C + \lambda I)^{-1} g$ after one curvature estimate; a learning rate
+        turns it into an optimiser:
+
+        ```python
+        curv = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        pre = ef.optim.kfac_preconditioner(
+            like=curv,
+            damping=0.1,
+            damping_variant=ef.optim.Tikhonov(),
+            norm_constraint=None,
+        )
+        direction, _ = pre.update(grads, pre.init(params), params, curvature=curv)
+        expected = curv.solve(grads, 0.1)
+        for a, b in zip(jax.tree.leaves(direction), jax.tree.leaves(expected)):
+            assert jnp.allclose(a, b, atol=1e-5)
+
+        opt = optax.chain(pre, optax.scale_by_learning_rate(0.5))
+        updates, _ = opt.update(grads, opt.init(params), params, curvature=curv)
+        stepped = eqx.apply_updates(model, updates)
+        assert loss_fn(stepped, batch) < loss_fn(model, batch)
+        ```
+    """
+    caller = "kfac_preconditioner"
+    check_like(caller, like)
+    check_range(caller, "damping", damping, 0.0, None, False)
+    check_range(caller, "decay", decay, 0.0, 1.0, True)
+    check_positive_int(caller, "inverse_every", inverse_every)
+    if norm_constraint is not None:
+        check_range(caller, "norm_constraint", norm_constraint, 0.0, None, False)
+
+    def init(params):
+        del params
+        return initial_state(
+            like, value_at(damping, jnp.zeros((), jnp.int32)), damping_variant
+        )
+
+    def update(updates, state, params=None, *, curvature=None, **extra):
+        del params, extra
+        if curvature is not None:
+            lam = value_at(damping, state.count)
+            state = fold(state, curvature, lam, decay, inverse_every, damping_variant)
+        direction = precondition(updates, state)
+        if norm_constraint is not None:
+            lr = value_at(learning_rate, state.count)
+            direction = _constrain(direction, updates, norm_constraint, lr)
+        return guard(direction, state)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def kfac(
+    learning_rate: ScalarOrSchedule,
+    *,
+    like: Curvature,
+    damping: ScalarOrSchedule = DAMPING,
+    momentum: float = MOMENTUM,
+    decay: float = 0.95,
+    inverse_every: int = INVERSE_EVERY,
+    weight_decay: float = 0.0,
+    damping_variant: AbstractDamping = PI_DAMPING,
+    norm_constraint: float | None = NORM_CONSTRAINT,
+) -> optax.GradientTransformationExtraArgs:
+    """K-FAC, ready to use: preconditioner, weight decay, momentum, learning rate.
+
+    **Arguments:**
+
+    - `learning_rate`: a float or an optax schedule; the only option to tune.
+    - `like`, `damping`, `decay`, `inverse_every`, `damping_variant`,
+      `norm_constraint`: see `kfac_preconditioner`. The defaults: `damping=1e-3`,
+      `momentum=0`, `decay=0.95`, `inverse_every=5`, `FactoredTikhonov()`
+      (π-damping), `norm_constraint=1e-2` (chosen by `benchmarks/kfac_defaults.py`).
+    - `momentum`: heavy-ball momentum on the preconditioned direction (0 for none).
+    - `weight_decay`: added to the preconditioned direction, decoupled as in AdamW.
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs` (it composes with `optax.chain`,
+    `optax.clip_by_global_norm`, `optax.masked`); call
+    `opt.update(grads, state, params, curvature=curv)`, or use `kfac_step`.
+
+    **Raises:**
+
+    `ValueError` (or `TypeError`) when `like` is not a `Curvature`, when
+    `damping`, `decay` or `norm_constraint` is out of range, or when
+    `inverse_every` is not a positive integer; at `update`, a `ValueError` when
+    `curvature=` has other blocks or shapes than `like`.
+
+    !!! Example
+
+        ```python
+        vgc = ef.value_grad_and_curvature(
+            loss_fn, estimator=ef.FisherMC(), structure=ef.KFAC()
+        )
+        like = ef.optim.curvature_like(vgc, model, batch, key=key)
+        opt = ef.optim.kfac(0.1, like=like)
+        state = opt.init(params)
+        loss, grads, curv = vgc(model, batch, key=key)
+        updates, state = opt.update(grads, state, params, curvature=curv)
+        model = eqx.apply_updates(model, updates)
+        ```
+    """
+    parts = [
+        kfac_preconditioner(
+            like=like,
+            damping=damping,
+            decay=decay,
+            inverse_every=inverse_every,
+            damping_variant=damping_variant,
+            norm_constraint=norm_constraint,
+            learning_rate=learning_rate,
+        )
+    ]
+    if weight_decay:
+        parts.append(optax.add_decayed_weights(weight_decay))
+    if not (isinstance(momentum, (int, float)) and momentum == 0):
+        # An array momentum (e.g. one swept under `vmap`) always gets the trace.
+        parts.append(optax.trace(decay=momentum))
+    parts.append(optax.scale_by_learning_rate(learning_rate))
+    return optax.chain(*parts)

@@ -1,0 +1,228 @@
+"""The K-FAC optimiser state, its defaults and shared checks."""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Float, Int, PyTree
+
+from .._curvature import Curvature
+from .._damping import FactoredTikhonov
+
+
+ScalarOrSchedule = float | Float[Array, ""] | optax.Schedule
+"""A constant (a float or a scalar array) or an optax schedule: a function from the
+step count (an integer array, counting updates from 0) to a scalar, such as
+`optax.exponential_decay(1e-1, 100, 0.5)` or
+`optax.warmup_cosine_decay_schedule(0.0, 0.3, 10, 1000)`. The learning rate is
+evaluated at every update; the damping when the cached inverse is refreshed."""
+
+# Defaults chosen from the grid of benchmarks/kfac_grid.py (benchmarks/RESULTS.md,
+# "The defaults grid"): no configuration of it gives a non-finite run at any learning
+# rate in 1e-3…1 on its five problems; damping 1e-3 with norm constraint 1e-2 and no
+# momentum needs the fewest steps, and statistics every 4th step the fewest seconds
+# (steps × measured seconds per step).
+DAMPING = 1e-3
+MOMENTUM = 0.0
+NORM_CONSTRAINT = 1e-2
+INVERSE_EVERY = 5
+CURVATURE_UPDATE_PERIOD = 4
+PI_DAMPING = FactoredTikhonov()
+
+
+class KFACState(NamedTuple):
+    """State of `kfac_preconditioner`; the same PyTree structure at every step.
+
+    - `count`: updates seen.
+    - `curvature_count`: finite curvature estimates folded into the average.
+    - `nonfinite_count`: curvature estimates rejected for holding NaN or inf.
+    - `skipped_count`: updates replaced by zero for being non-finite.
+    - `refresh_count`: times the cached inverse was recomputed.
+    - `curvature`: the bias-corrected moving average of the curvature (zeros
+      before the first estimate).
+    - `inverse`: a `Curvature` whose blocks are the damped inverses of the
+      average's (see `Tikhonov`, `FactoredTikhonov`): its `mv` preconditions.
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        opt = ef.optim.kfac(0.1, like=curv)
+        state = opt.init(params)
+        updates, state = opt.update(grads, state, params, curvature=curv)
+        kstate = ef.optim.find_kfac_state(state)  # inside kfac's optax.chain
+        assert kstate.count == 1 and kstate.curvature_count == 1
+        assert kstate.refresh_count == 1  # the inverse is refreshed at once
+        # The bias-corrected average of one estimate is that estimate.
+        assert jnp.allclose(kstate.curvature.as_matrix(), curv.as_matrix())
+        ```
+    """
+
+    count: Int[Array, ""]
+    curvature_count: Int[Array, ""]
+    nonfinite_count: Int[Array, ""]
+    skipped_count: Int[Array, ""]
+    refresh_count: Int[Array, ""]
+    curvature: Curvature
+    inverse: Curvature
+
+
+def value_at(x: ScalarOrSchedule, count: Array) -> Array:
+    return x(count) if callable(x) else jnp.asarray(x)
+
+
+def check_range(
+    caller: str, name: str, value: Any, low: float, high: float | None, closed: bool
+) -> None:
+    if callable(value) or isinstance(value, jax.core.Tracer):
+        return
+    v = float(value)
+    ok = (v >= low if closed else v > low) and (high is None or v < high)
+    if not ok:
+        bounds = f"[{low}, {high})" if closed else f"> {low}"
+        raise ValueError(
+            f"`eqfisher.optim.{caller}(..., {name}=...)`: `{name}` must be "
+            f"{bounds}, got {value!r}."
+        )
+
+
+def check_positive_int(caller: str, name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(
+            f"`eqfisher.optim.{caller}(..., {name}=...)`: must be a positive int, "
+            f"got {value!r}."
+        )
+
+
+def check_like(caller: str, like: Any) -> None:
+    if not isinstance(like, Curvature):
+        raise TypeError(
+            f"`eqfisher.optim.{caller}(..., like=...)` needs a `Curvature` of the "
+            "shape the updates will see, e.g. `eqfisher.optim.curvature_like(vgc, "
+            f"model, batch, key=key)`; got {type(like).__name__}."
+        )
+
+
+def all_finite(tree: PyTree) -> Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def where_tree(cond: Array, new: PyTree, old: PyTree) -> PyTree:
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(cond, a, b), new, old)
+
+
+def curvature_like(fn: Callable, *args: Any, **kwargs: Any) -> Curvature:
+    """The shape of the curvature `fn(*args, **kwargs)` returns, without computing it.
+
+    **Arguments:**
+
+    - `fn`: a function returning a `Curvature`, or a tuple whose last element is one
+      (e.g. the function from `eqfisher.value_grad_and_curvature`).
+    - `*args`, `**kwargs`: its arguments (e.g. `model, batch, key=key`).
+
+    **Returns:**
+
+    A `Curvature` whose array leaves are `jax.ShapeDtypeStruct`s: the `like=` of
+    `kfac`, `kfac_preconditioner`, `kfac_adaptive`.
+
+    **Raises:**
+
+    `TypeError` when `fn` returns neither a `Curvature` nor a tuple ending in one;
+    the errors of `fn` itself (shapes are traced, nothing is computed).
+
+    !!! Example
+
+        ```python
+        vgc = ef.value_grad_and_curvature(
+            loss_fn, estimator=ef.FisherMC(), structure=ef.KFAC()
+        )
+        like = ef.optim.curvature_like(vgc, model, batch, key=key)
+        print(like.blocks["layers[0]"].a)  # ShapeDtypeStruct(shape=(5, 5), ...)
+        ```
+    """
+    out = eqx.filter_eval_shape(fn, *args, **kwargs)
+    curv = out[-1] if isinstance(out, tuple) else out
+    if not isinstance(curv, Curvature):
+        raise TypeError(
+            "`eqfisher.optim.curvature_like(fn, ...)`: `fn` must return a "
+            "`Curvature` or a tuple ending in one (value_grad_and_curvature's "
+            f"function), got {type(curv).__name__}."
+        )
+    return curv
+
+
+def find_kfac_state(state: PyTree) -> KFACState:
+    """The `KFACState` inside an optimiser state (e.g. an `optax.chain`'s).
+
+    **Arguments:**
+
+    - `state`: an optimiser state holding exactly one `KFACState`.
+
+    **Returns:**
+
+    That `KFACState`.
+
+    **Raises:**
+
+    `ValueError` when `state` holds no `KFACState`, or more than one.
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        kfac = ef.optim.kfac(0.1, like=curv)
+        opt = optax.chain(optax.clip_by_global_norm(1.0), kfac)
+        kstate = ef.optim.find_kfac_state(opt.init(params))
+        assert isinstance(kstate, ef.optim.KFACState) and kstate.count == 0
+        ```
+    """
+    found = [
+        s
+        for s in jax.tree_util.tree_leaves(
+            state, is_leaf=lambda x: isinstance(x, KFACState)
+        )
+        if isinstance(s, KFACState)
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            f"`find_kfac_state(state)`: `state` holds {len(found)} K-FAC states; "
+            "expected one (from `kfac`, `kfac_preconditioner` or `kfac_adaptive`)."
+        )
+    return found[0]
+
+
+def curvature_ok(state: PyTree) -> Array:
+    """True when no curvature estimate has been rejected as non-finite.
+
+    **Raises:**
+
+    `ValueError` when `state` holds no `KFACState`.
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        opt = ef.optim.kfac(0.1, like=curv)
+        _, state = opt.update(grads, opt.init(params), params, curvature=curv)
+        assert ef.optim.curvature_ok(state)
+        broken = jax.tree.map(lambda a: a * jnp.nan, curv)
+        _, state = opt.update(grads, state, params, curvature=broken)
+        assert not ef.optim.curvature_ok(state)  # rejected, not averaged in
+        ```
+    """
+    try:
+        return find_kfac_state(state).nonfinite_count == 0
+    except ValueError:
+        raise ValueError(
+            "`curvature_ok(state)`: no K-FAC state found in `state`."
+        ) from None

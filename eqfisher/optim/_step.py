@@ -1,0 +1,151 @@
+"""The one-call K-FAC training step, with amortised statistics."""
+
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import optax
+from jaxtyping import PyTree
+
+from .. import _compat
+from .._curvature import value_grad_and_curvature
+from .._estimators import AbstractEstimator
+from .._structures import AbstractStructure
+from ._state import (
+    CURVATURE_UPDATE_PERIOD,
+    check_positive_int,
+    find_kfac_state,
+)
+
+
+def _leading(batch: PyTree, size: int | None) -> PyTree:
+    """The first `size` examples of every leaf of `batch` (all when `None`)."""
+    if size is None:
+        return batch
+    return jax.tree_util.tree_map(lambda x: x[:size], batch)
+
+
+def _every(period: int, opt_state: PyTree, due: Callable, otherwise: Callable):
+    """`due()` at every `period`-th step (by the K-FAC state's count, chosen with
+    `lax.cond` inside jit), `otherwise()` at the others."""
+    if period == 1:
+        return due()
+    count = find_kfac_state(opt_state).count
+    return jax.lax.cond(count % period == 0, due, otherwise)
+
+
+def _shares_forward(loss_fn, model, batch, period, curvature_batch_size) -> bool:
+    """Whether a statistics step takes its loss and gradient from the statistics
+    pass (one forward), with the gradient inside the `lax.cond` on the period.
+
+    Not when the statistics come from a sub-batch, and not for a model with
+    convolutions on CPU: XLA:CPU runs convolutions inside control flow 10-100x
+    slower than outside (jax-ml/jax#12868), so there the gradient is computed
+    outside the `cond` and a statistics step pays one more forward and backward.
+    """
+    if curvature_batch_size is not None:
+        return False
+    if period == 1 or jax.default_backend() != "cpu":
+        return True
+    arrays, static = eqx.partition((model, batch), eqx.is_array)
+    names = _compat.primitive_names(lambda a: loss_fn(*eqx.combine(a, static)), arrays)
+    return "conv_general_dilated" not in names
+
+
+def kfac_step(
+    loss_fn: Callable,
+    optimiser: optax.GradientTransformationExtraArgs,
+    *,
+    estimator: AbstractEstimator,
+    structure: AbstractStructure,
+    curvature_update_period: int = CURVATURE_UPDATE_PERIOD,
+    curvature_batch_size: int | None = None,
+) -> Callable:
+    r"""One jitted training step: gradient, curvature when due, optimiser update.
+
+    Every `curvature_update_period`-th step (counted by the K-FAC state, chosen with
+    `lax.cond` inside jit: one compilation) computes the loss, the gradient and the
+    curvature with `eqfisher.value_grad_and_curvature` (one forward); the steps in
+    between cost one value-and-gradient plus the cached preconditioner's products.
+    On CPU, for a model with convolutions, the gradient is computed outside the
+    `cond` on every step and a statistics step adds the statistics pass, because
+    XLA:CPU runs convolutions inside control flow far slower (jax-ml/jax#12868).
+
+    **Arguments:**
+
+    - `loss_fn`: `loss_fn(model, batch)`, returning a scalar.
+    - `optimiser`: a transformation containing one K-FAC preconditioner (`kfac`,
+      `kfac_preconditioner` inside an `optax.chain`, ...), built with a `like=`
+      from the same `loss_fn`, `estimator` and `structure`.
+    - `estimator`, `structure`: as for `eqfisher.value_grad_and_curvature`.
+    - `curvature_update_period`: $k \ge 1$: curvature statistics at steps
+      $0, k, 2k, \ldots$ (default 4, from the benchmark grid: about the steps to a
+      target of $k = 1$ on four of its five problems, at half the seconds per step).
+      On CPU, a convolutional model may prefer 1: XLA:CPU runs convolutions inside
+      `lax.cond` far slower (jax-ml/jax#12868).
+    - `curvature_batch_size`: `None` (the whole batch), or n: the statistics come
+      from the first n examples of every leaf of `batch` (leading axis), the
+      gradient from the whole batch (one extra forward and backward on n
+      examples).
+
+    **Returns:**
+
+    `step(model, opt_state, batch, key=None) -> (model, opt_state, loss)`, jitted;
+    `key` is needed by Monte-Carlo estimators.
+
+    **Raises:**
+
+    `ValueError` when `curvature_update_period` or `curvature_batch_size` is not a
+    positive integer; at the first step, when `optimiser`'s state holds no K-FAC
+    state, and the errors of `eqfisher.value_grad_and_curvature`.
+
+    !!! Example
+
+        ```python
+        estimator, structure = ef.FisherMC(), ef.KFAC()
+        vgc = ef.value_grad_and_curvature(
+            loss_fn, estimator=estimator, structure=structure
+        )
+        opt = ef.optim.kfac(0.1, like=ef.optim.curvature_like(vgc, model, batch, key=key))
+        step = ef.optim.kfac_step(loss_fn, opt, estimator=estimator, structure=structure)
+        state = opt.init(params)
+        for i in range(3):
+            model, state, loss = step(model, state, batch, jax.random.key(i))
+        ```
+    """
+    caller = "kfac_step"
+    check_positive_int(caller, "curvature_update_period", curvature_update_period)
+    if curvature_batch_size is not None:
+        check_positive_int(caller, "curvature_batch_size", curvature_batch_size)
+    vgc = value_grad_and_curvature(loss_fn, estimator=estimator, structure=structure)
+    value_and_grad = eqx.filter_value_and_grad(loss_fn)
+
+    @eqx.filter_jit
+    def step(model, opt_state, batch, key=None):
+        params = eqx.filter(model, eqx.is_inexact_array)
+        period = curvature_update_period
+        if _shares_forward(loss_fn, model, batch, period, curvature_batch_size):
+
+            def statistics():
+                loss, grads, curv = vgc(model, batch, key=key)
+                return loss, *optimiser.update(grads, opt_state, params, curvature=curv)
+
+            def plain():
+                loss, grads = value_and_grad(model, batch)
+                return loss, *optimiser.update(grads, opt_state, params)
+
+            loss, updates, opt_state = _every(period, opt_state, statistics, plain)
+        else:
+            loss, grads = value_and_grad(model, batch)
+            sub = _leading(batch, curvature_batch_size)
+            updates, opt_state = _every(
+                period,
+                opt_state,
+                lambda: optimiser.update(
+                    grads, opt_state, params, curvature=vgc(model, sub, key=key)[2]
+                ),
+                lambda: optimiser.update(grads, opt_state, params),
+            )
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    return step
