@@ -92,7 +92,7 @@ def scan_counts(eqn: JaxprEqn) -> tuple[int, int]:
         return p["num_consts"], p["num_carry"]
     ft_in = p.get("ft_in")
     if ft_in is None or len(ft_in) != 3:
-        raise NotImplementedError(
+        raise RuntimeError(
             f"eqfisher cannot read this `scan` equation's parameters on jax "
             f"{jax.__version__} ({sorted(p)}); please report it."
         )

@@ -355,7 +355,7 @@ class _Builder(eqx.Module):
         found = candidates(
             processed,
             selected,
-            lambda r: stats.layer_inputs(r.kind).unsupported(r),
+            stats.unsupported,
         )
         grouping = check_groups(
             self.structure,

@@ -75,6 +75,10 @@ def tikhonov_inverse(block: AbstractBlock, damping: ScalarLike) -> AbstractBlock
     A `functools.singledispatch` function: `tikhonov_inverse.register` adds a block
     type.
 
+    **Raises:**
+
+    `TypeError` for a block type nothing was registered for.
+
     !!! Example
 
         ```python
@@ -87,9 +91,10 @@ def tikhonov_inverse(block: AbstractBlock, damping: ScalarLike) -> AbstractBlock
         assert jnp.allclose(inverse.as_matrix(), dense, atol=1e-4)
         ```
     """
-    raise NotImplementedError(
-        f"`eqfisher.optim`: no damped inverse for a `{type(block).__name__}` block; "
-        "register one with `eqfisher.optim.tikhonov_inverse.register`."
+    raise TypeError(
+        f"`eqfisher.optim.tikhonov_inverse(block, ...)`: no damped inverse for a "
+        f"`{type(block).__name__}` block; register one for that type with "
+        "`eqfisher.optim.tikhonov_inverse.register`."
     )
 
 

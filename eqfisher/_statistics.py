@@ -2,7 +2,8 @@
 exact per-example parameter vectors for the structures that need them.
 
 Each layer kind has its input statistics as a type (`AbstractLayerInputs`), found
-from the kind by `layer_inputs`; a kind without one raises `NotImplementedError`.
+from the kind by `layer_inputs`; `unsupported` says why a layer has none (a
+scale-and-shift layer's curvature is kept exact).
 """
 
 import abc
@@ -116,30 +117,28 @@ class _EmbeddingInputs(AbstractLayerInputs):
         return counts if diagonal else jnp.diag(counts), counts, ids.shape[0]
 
 
-class _ScaleAndShiftInputs(AbstractLayerInputs):
-    def unsupported(self, record):
-        return "is a scale-and-shift layer, whose curvature eqfisher keeps exact"
+_INPUTS: dict[str, AbstractLayerInputs] = {
+    "dense": _DenseInputs(),
+    "conv": _ConvInputs(),
+    "embedding": _EmbeddingInputs(),
+}
+# Layer kinds whose curvature eqfisher keeps exact: they have no Kronecker factors.
+_NO_FACTORS = {
+    "scale_and_shift": "is a scale-and-shift layer, whose curvature eqfisher keeps "
+    "exact",
+}
 
-    def moments(self, record, x, reduce_examples, dtype, diagonal):
-        raise NotImplementedError("a scale-and-shift layer has no Kronecker factors")
+
+def unsupported(record: LayerRecord) -> str | None:
+    """Why a layer has no Kronecker factors (a phrase after its name), or None."""
+    if record.kind in _NO_FACTORS:
+        return _NO_FACTORS[record.kind]
+    return layer_inputs(record.kind).unsupported(record)
 
 
 def layer_inputs(kind: LayerKind) -> AbstractLayerInputs:
-    """The input statistics of a layer kind."""
-    match kind:
-        case "dense":
-            return _DenseInputs()
-        case "conv":
-            return _ConvInputs()
-        case "embedding":
-            return _EmbeddingInputs()
-        case "scale_and_shift":
-            return _ScaleAndShiftInputs()
-    raise NotImplementedError(
-        f"eqfisher has no curvature statistics for a {kind!r} layer: subclass "
-        "`AbstractLayerInputs` in eqfisher/_statistics.py and return it from "
-        "`layer_inputs`."
-    )
+    """The input statistics of a layer kind that has Kronecker factors."""
+    return _INPUTS[kind]
 
 
 def output_matrix(record: LayerRecord, g: Array) -> Array:

@@ -91,31 +91,36 @@ def test_no_unicode_formulas(name):
 
 @pytest.mark.parametrize("name", PAGES)
 def test_dollars_are_balanced(name):
-    _check_dollars(name, _page(name))
+    problems = _dollar_problems(name, _page(name))
+    assert not problems, "\n".join(problems)
 
 
-def _check_dollars(name: str, text: str) -> None:
-    """`text` is Markdown without code; `name` says where it comes from."""
+def _dollar_problems(name: str, text: str) -> list[str]:
+    """What is wrong with the `$`/`$$` of `text`, Markdown without code; `name`
+    says where it comes from."""
+    problems = []
     # Display maths is a paragraph of its own: `$$` opens and closes on lines of
     # their own, with a blank line before and after.
     for m in _DISPLAY.finditer(text):
         before, after = text[: m.start()], text[m.end() :]
-        assert re.search(r"\n[ \t]*\n[ \t]*$", before), (
-            f"{name}: no blank line before `$$`: {before[-40:]!r}"
-        )
+        if not re.search(r"\n[ \t]*\n[ \t]*$", before):
+            problems.append(f"{name}: no blank line before `$$`: {before[-40:]!r}")
         # (or the end of the text: a docstring may end with one)
-        assert re.match(r"[ \t]*\n[ \t]*(\n|$)", after) or not after.strip(), (
-            f"{name}: no blank line after `$$`: {after[:40]!r}"
-        )
-        assert m.group(1).startswith("\n") and re.search(r"\n[ \t]*$", m.group(1)), (
-            f"{name}: put `$$` on lines of their own: {m.group(0)[:40]!r}"
-        )
+        if after.strip() and not re.match(r"[ \t]*\n[ \t]*(\n|$)", after):
+            problems.append(f"{name}: no blank line after `$$`: {after[:40]!r}")
+        if not (m.group(1).startswith("\n") and re.search(r"\n[ \t]*$", m.group(1))):
+            problems.append(
+                f"{name}: put `$$` on lines of their own: {m.group(0)[:40]!r}"
+            )
     rest = _DISPLAY.sub("", text)
-    assert "$$" not in rest, f"{name}: unbalanced `$$`"
+    if "$$" in rest:
+        problems.append(f"{name}: unbalanced `$$`")
     # Inline maths stays within one paragraph; any `$` left over is unmatched.
     for paragraph in re.split(r"\n[ \t]*\n", rest):
         left = _INLINE.sub("", paragraph.replace(r"\$", ""))
-        assert "$" not in left, f"{name}: unmatched `$` in:\n{paragraph}"
+        if "$" in left:
+            problems.append(f"{name}: unmatched `$` in:\n{paragraph}")
+    return problems
 
 
 @pytest.mark.parametrize("name", PAGES)
@@ -123,11 +128,13 @@ def test_arithmatex_reads_every_formula(name):
     # The page through the Markdown extensions of mkdocs.yml that place maths:
     # every formula found above becomes one arithmatex element (inside lists,
     # tables and admonitions too), and no `$` is left in the text.
-    _check_arithmatex(name, (ROOT / "docs" / name).read_text())
+    problems = _arithmatex_problems(name, (ROOT / "docs" / name).read_text())
+    assert not problems, "\n".join(problems)
 
 
-def _check_arithmatex(name: str, source: str) -> None:
-    """`source` is Markdown with its code; `name` says where it comes from."""
+def _arithmatex_problems(name: str, source: str) -> list[str]:
+    """Where arithmatex reads `source` (Markdown with its code) differently from
+    `_maths`; `name` says where it comes from."""
     import markdown  # the test extra installs markdown and pymdown-extensions
 
     # Code blocks (some run by markdown-exec at build time) become a placeholder.
@@ -138,24 +145,33 @@ def _check_arithmatex(name: str, source: str) -> None:
         extension_configs={"pymdownx.arithmatex": {"generic": True}},
     )
     html = re.sub(r"<code>.*?</code>", "", html, flags=re.S)
-    maths = re.findall(r'<(span|div) class="arithmatex">', html)
-    assert len(maths) == len(_maths(_without_code(source))), name
+    problems = []
+    found = len(re.findall(r'<(span|div) class="arithmatex">', html))
+    expected = len(_maths(_without_code(source)))
+    if found != expected:
+        problems.append(f"{name}: arithmatex read {found} formulas, not {expected}")
     text = re.sub(r'<(span|div) class="arithmatex">.*?</\1>', "", html, flags=re.S)
-    assert "$" not in text, f"{name}: a `$` arithmatex did not read as maths"
+    if "$" in text:
+        problems.append(f"{name}: a `$` arithmatex did not read as maths")
+    return problems
 
 
 @pytest.mark.parametrize("name", PAGES)
 def test_maths_kronecker_order(name):
     # test_docs.py checks the literal "A \otimes G"; this catches the same order
     # with factors' eigenbases, inverses and damping (Q_A \otimes Q_G, ...).
-    _check_kronecker_order(name, _page(name))
+    problems = _kronecker_problems(name, _page(name))
+    assert not problems, "\n".join(problems)
 
 
-def _check_kronecker_order(name: str, text: str) -> None:
+def _kronecker_problems(name: str, text: str) -> list[str]:
     bad = re.compile(r"A\b[^\\]*?\\otimes\s*\(?\s*(?:[QS]_)?G\b")
-    for formula in _maths(text):
-        for term in re.split(r"[=,;]|\\q?quad", formula):
-            assert not bad.search(term), f"{name}: {term!r}; write G \\otimes A"
+    return [
+        f"{name}: {term!r}; write G \\otimes A"
+        for formula in _maths(text)
+        for term in re.split(r"[=,;]|\\q?quad", formula)
+        if bad.search(term)
+    ]
 
 
 def test_the_checks_see_formulas():
@@ -164,6 +180,20 @@ def test_the_checks_see_formulas():
     assert _maths(text) == ["\nx^\\top y\n", "G \\otimes A"]
     assert FORMULA_CHARS & set(_prose(_without_code(text))) == {"θ", "⁻", "¹"}
     assert not _INLINE.search("costs $ 5 and $ 6")
+    # ... and the problems where they are.
+    assert not _dollar_problems("ok", text)
+    assert _dollar_problems("x", "one $a$ and $ left") == [
+        "x: unmatched `$` in:\none $a$ and $ left"
+    ]
+    assert "no blank line before" in _dollar_problems("x", "text\n$$\na\n$$\n")[0]
+    assert _kronecker_problems("x", "$A \\otimes G$") == [
+        "x: 'A \\\\otimes G'; write G \\otimes A"
+    ]
+    assert not _kronecker_problems("x", "$G \\otimes A$")
+    assert not _arithmatex_problems("ok", text)
+    assert _arithmatex_problems("x", "a `$b$` and $c") == [
+        "x: a `$` arithmatex did not read as maths"
+    ]
 
 
 # --- docstrings ---------------------------------------------------------------------
@@ -252,18 +282,28 @@ def test_docstring_allowlist_is_current():
 
 
 def test_docstring_dollars_are_balanced():
-    for qual, _, doc in DOCSTRINGS:
-        _check_dollars(qual, _without_code(doc))
+    problems = [
+        p
+        for qual, _, doc in DOCSTRINGS
+        for p in _dollar_problems(qual, _without_code(doc))
+    ]
+    assert not problems, "\n".join(problems)
 
 
 def test_arithmatex_reads_every_docstring_formula():
-    for qual, _, doc in DOCSTRINGS:
-        _check_arithmatex(qual, doc)
+    problems = [
+        p for qual, _, doc in DOCSTRINGS for p in _arithmatex_problems(qual, doc)
+    ]
+    assert not problems, "\n".join(problems)
 
 
 def test_docstring_maths_kronecker_order():
-    for qual, _, doc in DOCSTRINGS:
-        _check_kronecker_order(qual, _without_code(doc))
+    problems = [
+        p
+        for qual, _, doc in DOCSTRINGS
+        for p in _kronecker_problems(qual, _without_code(doc))
+    ]
+    assert not problems, "\n".join(problems)
 
 
 def test_docstrings_with_maths_are_raw():

@@ -216,3 +216,56 @@ def test_a_structure_is_checked_where_it_answers():
             structure=KroneckerEverywhere(),
             where=where,
         )
+
+
+class ScaledFull(ef.blocks.AbstractBlock):
+    """A user block type, c·M for a `Full` M, made with the public API only."""
+
+    inner: ef.blocks.Full
+    c: float
+
+    def mv(self, vector):
+        return tuple(self.c * x for x in self.inner.mv(vector))
+
+    def as_matrix(self):
+        return self.c * self.inner.as_matrix()
+
+    def in_structure(self):
+        return self.inner.in_structure()
+
+    def solve(self, vector, damping):
+        return tuple(x / self.c for x in self.inner.solve(vector, damping / self.c))
+
+    def diagonal(self):
+        return tuple(self.c * x for x in self.inner.diagonal())
+
+    def logdet(self, damping):
+        size = self.as_matrix().shape[0]
+        return self.inner.logdet(damping / self.c) + size * jnp.log(self.c)
+
+    def trace(self):
+        return self.c * self.inner.trace()
+
+    def eigenvalues(self):
+        return self.c * self.inner.eigenvalues()
+
+    def ema(self, other, decay):
+        return ScaledFull(
+            self.inner.scale(self.c).ema(other.inner.scale(other.c), decay), 1.0
+        )
+
+    def scale(self, c):
+        return ScaledFull(self.inner, self.c * c)
+
+
+def test_a_user_block_type_is_refused_where_nothing_is_registered_for_it():
+    m = jr.normal(jr.key(0), (3, 3), F64)
+    block = ScaledFull(ef.blocks.Full(m @ m.T, (jnp.zeros(3, F64),)), 2.0)
+    v = (jnp.ones(3, F64),)
+    dense = 2.0 * m @ m.T
+    (solved,) = block.solve(v, 0.5)  # the block itself works
+    np.testing.assert_allclose(solved, jnp.linalg.solve(dense + 0.5 * jnp.eye(3), v[0]))
+    with pytest.raises(TypeError, match=r"tikhonov_inverse.*`ScaledFull`.*register"):
+        ef.optim.tikhonov_inverse(block, 0.1)
+    with pytest.raises(TypeError, match=r"sqrt_inverse_mv.*`ScaledFull`.*register"):
+        ef.laplace.sqrt_inverse_mv(block, v, 1.0, 0.5)

@@ -81,6 +81,10 @@ def sqrt_inverse_mv(
     `Laplace.sample` uses it; a new block type registers its own implementation
     with `eqfisher.laplace.sqrt_inverse_mv.register`.
 
+    **Raises:**
+
+    `TypeError` for a block type nothing was registered for.
+
     !!! Example
 
         ```python
@@ -93,9 +97,9 @@ def sqrt_inverse_mv(
         assert jnp.allclose(twice, inverse / 2.0, rtol=1e-4)
         ```
     """
-    raise NotImplementedError(
-        f"`eqfisher.laplace`: posterior samples are not implemented for blocks of type "
-        f"{type(block).__name__}; register one with "
+    raise TypeError(
+        f"`eqfisher.laplace.sqrt_inverse_mv(block, ...)`: no posterior samples for "
+        f"a `{type(block).__name__}` block; register them for that type with "
         "`eqfisher.laplace.sqrt_inverse_mv.register`."
     )
 

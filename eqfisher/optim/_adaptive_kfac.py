@@ -12,9 +12,7 @@ from .._damping import Tikhonov
 from ._kfac import fold, guard, initial_state, precondition
 from ._state import (
     KFACState,
-    check_like,
-    check_positive_int,
-    check_range,
+    check_preconditioner_args,
 )
 
 
@@ -101,10 +99,9 @@ def kfac_adaptive(
         ```
     """
     caller = "kfac_adaptive"
-    check_like(caller, like)
-    check_range(caller, "initial_damping", initial_damping, 0.0, None, False)
-    check_range(caller, "decay", decay, 0.0, 1.0, True)
-    check_positive_int(caller, "inverse_every", inverse_every)
+    check_preconditioner_args(
+        caller, like, "initial_damping", initial_damping, decay, inverse_every
+    )
     steps = adaptive_steps(initial_damping=initial_damping, adapt_every=adapt_every)
     exact = Tikhonov()
 

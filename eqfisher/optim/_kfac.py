@@ -16,8 +16,7 @@ from ._state import (
     KFACState,
     ScalarOrSchedule,
     all_finite,
-    check_like,
-    check_positive_int,
+    check_preconditioner_args,
     check_range,
     value_at,
     where_tree,
@@ -193,10 +192,7 @@ def kfac_preconditioner(
         ```
     """
     caller = "kfac_preconditioner"
-    check_like(caller, like)
-    check_range(caller, "damping", damping, 0.0, None, False)
-    check_range(caller, "decay", decay, 0.0, 1.0, True)
-    check_positive_int(caller, "inverse_every", inverse_every)
+    check_preconditioner_args(caller, like, "damping", damping, decay, inverse_every)
     if norm_constraint is not None:
         check_range(caller, "norm_constraint", norm_constraint, 0.0, None, False)
 

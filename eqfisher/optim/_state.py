@@ -108,6 +108,22 @@ def check_like(caller: str, like: Any) -> None:
         )
 
 
+def check_preconditioner_args(
+    caller: str,
+    like: Any,
+    damping_name: str,
+    damping: Any,
+    decay: Any,
+    inverse_every: Any,
+) -> None:
+    """The arguments every K-FAC preconditioner takes: a `like=` curvature, a
+    positive damping, a decay in [0, 1) and a positive inverse period."""
+    check_like(caller, like)
+    check_range(caller, damping_name, damping, 0.0, None, False)
+    check_range(caller, "decay", decay, 0.0, 1.0, True)
+    check_positive_int(caller, "inverse_every", inverse_every)
+
+
 def all_finite(tree: PyTree) -> Array:
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
