@@ -22,7 +22,7 @@ def _structure(model: PyTree) -> PyTree:
 def _tag_fn(loss_fn: Callable, model: PyTree, batch: PyTree, caller: str):
     """`(params_tree -> tag inputs)`, the registered losses, and rebuild helpers."""
     s = split(model, batch)
-    processed = Traced(loss_fn, caller).trace(s)
+    processed = Traced(loss_fn, caller).trace(s, layers=False)
     coefs = processed.coefficients(s.inputs)
 
     def fn(params):

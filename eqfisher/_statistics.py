@@ -579,7 +579,7 @@ def per_example_vectors(
         b_static,
     )
     s1 = split(model, one)
-    processed = traced.trace(s1)
+    processed = traced.trace(s1, layers=False)  # only run, per example
     one_shapes = [
         n_.eqn.invars[0].aval.shape
         for n_ in processed.program.nodes

@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, PyTree
 
 from . import _compat, _objective
 from ._config import current_config
-from ._layers import LayerInfo, LayerRecord, detect, sources, unit_paths
+from ._layers import Detection, LayerInfo, LayerRecord, detect, sources, unit_paths
 from ._program import (
     Evaluation,
     Program,
@@ -356,12 +356,15 @@ def trace(
     *,
     caller: str = "eqfisher",
     returns: Returns = "loss",
+    layers: bool = True,
 ) -> ProcessedTrace:
     """Traces `loss_fn` on the split model and batch.
 
     `returns` says what `loss_fn` returns: the scalar loss, `(loss, aux)` or
     `(loss, surrogate)`. The loss must be affine in the registered losses' values
-    and (except with a surrogate) depend on parameters only through them.
+    and (except with a surrogate) depend on parameters only through them. Without
+    `layers`, no layers are looked for (a trace that is only run, such as the
+    per-example pass's: a scanned model's detection costs a record per step).
     """
     n_p, n_o = len(s.params), len(s.others)
     out_trees = []
@@ -399,7 +402,7 @@ def trace(
     _objective.check(
         program, n_p, paths, 0, outside_terms=returns == "surrogate", caller=caller
     )
-    found = detect(program, paths)
+    found = detect(program, paths) if layers else Detection((), ())
     return ProcessedTrace(
         program=program,
         num_params=n_p,
@@ -428,12 +431,14 @@ class Traced:
         self.caller = caller
         self.returns = returns
 
-    def trace(self, s: Split) -> ProcessedTrace:
-        key = (s.key, current_config())
+    def trace(self, s: Split, *, layers: bool = True) -> ProcessedTrace:
+        key = (s.key, current_config(), layers)
         cached = self.cache.get(key)
         if cached is not None:
             return cached
-        processed = trace(self.loss_fn, s, caller=self.caller, returns=self.returns)
+        processed = trace(
+            self.loss_fn, s, caller=self.caller, returns=self.returns, layers=layers
+        )
         consts = [
             n for n in processed.program.nodes for a in n.args if _is_tracer_const(a)
         ]
@@ -607,7 +612,7 @@ def loss_tags_vjp(loss_fn: Callable) -> Callable:
 
     def transformed(model, batch):
         s = split(model, batch)
-        fn = _params_fn(traced.trace(s), s)
+        fn = _params_fn(traced.trace(s, layers=False), s)
         _, vjp, losses = jax.vjp(fn, s.params, has_aux=True)
         return losses, lambda tangents: _unflatten(s, vjp(tuple(tangents))[0])
 
@@ -632,7 +637,7 @@ def loss_tags_jvp(loss_fn: Callable) -> Callable:
 
     def transformed(model, batch, params_tangent):
         s = split(model, batch)
-        fn = _params_fn(traced.trace(s), s)
+        fn = _params_fn(traced.trace(s, layers=False), s)
         t_leaves = jax.tree_util.tree_leaves(params_tangent)
         _, tangents, losses = jax.jvp(fn, (s.params,), (t_leaves,), has_aux=True)
         return losses, tangents
@@ -662,7 +667,7 @@ def loss_tags_hvp(loss_fn: Callable) -> Callable:
 
     def transformed(model, batch, params_tangent):
         s = split(model, batch)
-        fn = _params_fn(traced.trace(s), s)
+        fn = _params_fn(traced.trace(s, layers=False), s)
 
         def total(p):
             return sum(loss.value() for loss in fn(p)[1])
