@@ -2,8 +2,9 @@
 
 At every build each script in `examples/` is run (`--smoke`: small data, few steps,
 so the whole set takes about two minutes on two cores), and its page is generated
-from the script's docstring, its printed output, the plots it wrote and its full
-source: what the site shows cannot drift from what the code does. `eqfisher demo`
+from the script's docstring (or its KaTeX version in `intros/`), its printed
+output, the plots it wrote and its full source: what the site shows cannot drift
+from what the code does. `eqfisher demo`
 runs too (its full run: about ten seconds of training), for its table and PNG.
 
 Results are cached under `~/.cache/eqfisher-docs/` by the hash of the script, the
@@ -22,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 
 from mkdocs.structure.files import File, Files
 
@@ -93,9 +95,26 @@ def _docstring(path: pathlib.Path) -> tuple[str, str]:
     return title.rstrip("."), body.strip()
 
 
+def _intro(name: str, body: str) -> str:
+    """The page's introduction: the docstring's body, or docs/hooks/intros/NAME.md.
+
+    A docstring is read in a terminal, so its formulas are Unicode and its display
+    formulas indented (which Markdown would show as code). Where that matters the
+    page takes the same text with KaTeX maths from `intros/`; the docstring is on
+    the page anyway, at the top of the code. The "Run it with ..." paragraph is left
+    out: the page says how to run the script.
+    """
+    intro = ROOT / "docs" / "hooks" / "intros" / f"{name}.md"
+    if intro.exists():
+        return intro.read_text().strip()
+    paragraphs = body.split("\n\n")
+    return "\n\n".join(p for p in paragraphs if not p.startswith("Run it with"))
+
+
 def _example_page(path: pathlib.Path, run: pathlib.Path, versions: str) -> str:
     title, body = _docstring(path)
     name = path.stem
+    body = _intro(name, body)
     pngs = sorted(p.name for p in run.glob("*.png"))
     notes = ROOT / "docs" / "hooks" / "notes" / f"{name}.md"
     lines = [
@@ -158,7 +177,8 @@ def _demo_page(run: pathlib.Path, versions: str) -> str:
             "",
             '!!! note "What this output is"',
             "    The full run of `eqfisher demo` (200 steps per optimiser), run when "
-            f"this page was built ({versions}). Seconds depend on the machine.",
+            f"this page was built ({versions}). Seconds depend on the machine "
+            "and on its load when the site was built; the steps do not.",
             "",
             "```text",
             text,
@@ -167,7 +187,13 @@ def _demo_page(run: pathlib.Path, versions: str) -> str:
             "![Training loss of K-FAC and Adam against steps and seconds]"
             "(demo/eqfisher-demo.png)",
             "",
-            "The source is `eqfisher/_demo.py`.",
+            '??? example "The code: `eqfisher/_demo.py`"',
+            "",
+            '    ```python title="eqfisher/_demo.py"',
+            textwrap.indent(
+                (ROOT / "eqfisher" / "_demo.py").read_text().rstrip(), "    "
+            ),
+            "    ```",
             "",
         ]
     )
@@ -184,13 +210,13 @@ def on_files(files: Files, config) -> Files:
         [str(EXAMPLES / "edge_of_stability.py"), "--smoke", "--out", "eos.png"],
         [EXAMPLES / "edge_of_stability.py"],
     )
-    jobs["demo"] = (
-        ["-m", "eqfisher._cli", "demo", "--out", "eqfisher-demo.png"],
-        [],
-    )
     with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
         futures = {n: pool.submit(_run, n, *job) for n, job in jobs.items()}
         runs = {n: f.result() for n, f in futures.items()}
+    # The demo times its steps: it runs alone, not beside another example.
+    runs["demo"] = _run(
+        "demo", ["-m", "eqfisher._cli", "demo", "--out", "eqfisher-demo.png"], []
+    )
     versions = _versions()
     pages = {
         f"examples/{p.stem}.md": _example_page(p, runs[p.stem], versions)
