@@ -17,6 +17,15 @@ from . import _statistics as stats, filters
 from ._config import Config, current_config
 from ._estimators import AbstractEstimator, loss_vectors, stacked_vectors
 from ._examples import AbstractExamples, IndependentExamples, InteractingExamples
+from ._per_example import (
+    INTERACTION,
+    example_count,
+    examples_mismatch,
+    main_pass_rows_possible,
+    one_example,
+    per_example_vectors,
+    shift_rows,
+)
 from ._structures import (
     AbstractStructure,
     Group,
@@ -318,7 +327,9 @@ class _Builder(eqx.Module):
         s = split(model, batch)
         processed = self.traced.trace(s)
         grouping, needs = self._grouping(processed, selected, model)
+        shifts = self._main_pass_rows(batch, grouping, needs)
         records = [r for g, n in zip(grouping, needs) if n.kronecker for r in g.records]
+        records += [r for g in shifts for r in g.records]
         outputs, vjp, (losses, inputs), grad_vjp = stats.layer_outputs_vjp(
             processed, s, records, full=full
         )
@@ -331,8 +342,18 @@ class _Builder(eqx.Module):
             # XLA cannot remove from a batched product.
             (grads,) = grad_vjp(cotangent_fn(outputs[0]))
         _, point_ct = jax.vmap(vjp)(vectors)
+        if not all(self.estimator.example_vectors(v) is v for v in per_loss):
+            shifts = []  # an example's vectors are not its part of the batch's
         rows = self._rows(
-            model, batch, processed, losses, per_loss, vjp, grouping, needs
+            model,
+            batch,
+            processed,
+            losses,
+            per_loss,
+            vjp,
+            grouping,
+            needs,
+            (shifts, inputs, point_ct),
         )
         blocks, steps_cache = {}, {}
         for g, n in zip(grouping, needs):
@@ -405,40 +426,68 @@ class _Builder(eqx.Module):
             )
         return block
 
-    def _rows(self, model, batch, processed, losses, per_loss, vjp, grouping, needs):
+    def _main_pass_rows(self, batch, grouping, needs) -> list[Group]:
+        """The groups whose per-example rows can come from the main pass (see
+        `_per_example.py`): scale-and-shift layers, for independent examples."""
+        groups = [g for g, nd in zip(grouping, needs) if nd.examples and g.records]
+        if not groups or not isinstance(self.examples, IndependentExamples):
+            return []
+        n = example_count(batch, self.examples.axis, self.caller)
+        return [g for g in groups if main_pass_rows_possible(g.records, n)]
+
+    def _rows(
+        self, model, batch, processed, losses, per_loss, vjp, grouping, needs, main
+    ):
         """Per parameter number, the exact per-example vectors `(m, *shape)`, for the
-        groups that need them."""
+        groups that need them: from the main pass where `main` (groups, layer
+        inputs, output cotangents) allows, else from a pass per example."""
+        shifts, inputs, point_ct = main
         parts = sorted(
             {i for g, n in zip(grouping, needs) if n.examples for i in g.leaves}
         )
         if not parts:
             return {}
-        leaves = sorted({processed.units[i][0] for i in parts})
         if isinstance(self.examples, InteractingExamples):
             full_vectors = stacked_vectors(
                 [self.estimator.batch_vectors(v, self.examples.axis) for v in per_loss]
             )
             p_ct, _ = jax.vmap(vjp)(full_vectors)
-            vecs = [p_ct[i] for i in leaves]
-        else:
-            vecs = stats.per_example_vectors(
-                self.traced,
-                model,
-                batch,
+            return _unit_rows(processed, parts, p_ct)
+        full_inputs = [loss.inputs for loss in losses]
+        one = one_example(self.traced, model, batch, full_inputs, self.examples.axis)
+        shifted = {i for g in shifts for i in g.leaves}
+        rows = {}
+        rest = [i for i in parts if i not in shifted]
+        if rest:
+            leaves = sorted({processed.units[i][0] for i in rest})
+            vecs, mismatch = per_example_vectors(
+                one,
                 per_loss,
-                [loss.inputs for loss in losses],
+                full_inputs,
                 lambda v: stacked_vectors(
                     [self.estimator.example_vectors(x) for x in v]
                 ),
                 leaves,
-                self.examples.axis,
             )
-        by_leaf = dict(zip(leaves, vecs))
-        rows = {}
-        for i in parts:
-            leaf, index = processed.units[i]
-            rows[i] = by_leaf[leaf][(slice(None),) + index]
-        return rows
+            rows = _unit_rows(processed, rest, dict(zip(leaves, vecs)))
+        else:
+            mismatch = examples_mismatch(one, full_inputs)
+        if shifts:
+            s = split(model, batch)
+            shapes = {i: processed.take(s.params, i).shape for i in shifted}
+            records = [r for g in shifts for r in g.records]
+            rows |= shift_rows(records, inputs, point_ct, one.n, shapes)
+        message = f"`{self.caller}`: {INTERACTION}"
+        return {i: eqx.error_if(x, mismatch, message) for i, x in rows.items()}
+
+
+def _unit_rows(processed, parts, by_leaf) -> dict:
+    """Each parameter number's rows, from rows of whole leaves `by_leaf[leaf]`."""
+    rows = {}
+    for i in parts:
+        leaf, index = processed.units[i]
+        rows[i] = by_leaf[leaf][(slice(None),) + index]
+    return rows
 
 
 def _needs(structure: AbstractStructure, g: Group, caller: str) -> Needs:

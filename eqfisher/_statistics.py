@@ -1,5 +1,5 @@
-"""Curvature statistics: K-FAC factors from one forward and a stacked VJP, and
-exact per-example parameter vectors for the structures that need them.
+"""Curvature statistics: K-FAC factors from one forward and a stacked VJP (the
+exact per-example vectors are in `_per_example.py`).
 
 Each layer kind has its input statistics as a type (`AbstractLayerInputs`), found
 from the kind by `layer_inputs`; `unsupported` says why a layer has none (a
@@ -9,7 +9,7 @@ scale-and-shift layer's curvature is kept exact).
 import abc
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import equinox as eqx
 import jax
@@ -17,12 +17,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from ._config import current_config
-from ._examples import leaf_axes
 from ._layers import LayerKind, LayerRecord
 from ._patches import conv_patches
 from ._program import Const, PVar, StepVar, VarMap, points
-from ._tracing import ProcessedTrace, Split, Traced, split
-from .losses import loss_tag_p
+from ._tracing import ProcessedTrace, Split
 
 
 def stat_dtype(dtype) -> jnp.dtype:
@@ -249,7 +247,7 @@ def pooled_factors(
     batches: dict[tuple[int, int], list[LayerRecord]] = {}
     for r in records:
         x, y = r.inputs, r.outputs
-        key = (id(x.stacked), id(y.stacked)) if _steps(r) else (id(r), 0)
+        key = (id(x.stacked), id(y.stacked)) if at_steps(r) else (id(r), 0)
         batches.setdefault(key, []).append(r)
     parts = []
     for batch in batches.values():
@@ -268,7 +266,7 @@ def pooled_factors(
             )
             continue
         for r in batch:
-            if steps_cache is not None and _steps(r):
+            if steps_cache is not None and at_steps(r):
                 key = (
                     id(r.inputs.stacked),  # pyright: ignore
                     id(r.outputs.stacked),  # pyright: ignore
@@ -312,13 +310,14 @@ def pooled_factors(
 _POOLED = frozenset({"dense", "embedding"})
 
 
-def _steps(record: LayerRecord) -> bool:
+def at_steps(record: LayerRecord) -> bool:
+    """Whether a record is one step's use inside a kept scan (input and output)."""
     return isinstance(record.inputs, StepVar) and isinstance(record.outputs, StepVar)
 
 
 def _every_step(batch: Sequence[LayerRecord]) -> bool:
     """Whether `batch` are the uses at every step of one scan (more than one)."""
-    if len(batch) < 2 or not _steps(batch[0]):
+    if len(batch) < 2 or not at_steps(batch[0]):
         return False
     length = batch[0].outputs.stacked.aval.shape[0]  # pyright: ignore
     return sorted(r.outputs.step for r in batch) == list(range(length))  # pyright: ignore
@@ -501,127 +500,3 @@ def layer_outputs_vjp(
         return pull((output_cotangents, no_tags))[:1]
 
     return (program_outputs, tags), vjp, aux, grad_vjp
-
-
-def _loss_axis(full: tuple[int, ...], one: tuple[int, ...], n: int) -> int | None:
-    """The axis where a loss's full-batch shape has `n` and its one-example shape 1."""
-    if len(full) != len(one):
-        return None
-    diff = [i for i, (a, b) in enumerate(zip(full, one)) if a != b]
-    if not diff:
-        return 0 if n == 1 else None
-    if len(diff) == 1 and full[diff[0]] == n and one[diff[0]] == 1:
-        return diff[0]
-    return None
-
-
-INTERACTION = (
-    "examples interact inside `loss_fn`: the registered loss outputs of an example "
-    "computed alone differ from that example's outputs in the full batch, so the "
-    "per-example Jacobians that Dense, BlockDiagonal, Diagonal, EKFAC's scales and "
-    "K-FAC's diagonal blocks use would be wrong. Likely causes: BatchNorm with batch "
-    "statistics (eqx.nn.BatchNorm in training mode, either `mode`); a batch whose "
-    "example axis is not the first (time-major `(T, N, F)` data: pass "
-    "`examples=eqfisher.IndependentExamples(axis=...)`); randomness shared across "
-    "the batch (one dropout key for all examples: split one key per example). "
-    "Fix: pass `examples=eqfisher.InteractingExamples()` for the exact curvature "
-    "from full-batch products (cost ∝ batch × outputs), run the model in inference "
-    "mode, or use structure=eqfisher.KFAC() on its layers."
-)
-
-
-def per_example_vectors(
-    traced: Traced,
-    model,
-    batch,
-    per_loss: Sequence[Array],
-    full_inputs: Sequence[Array],
-    prepare: Callable[[list[Array]], tuple[Array, ...]],
-    selected: Sequence[int],
-    axis,
-) -> list[Array]:
-    """Uₙₖ = Jₙᵀ V[k, n] for every example n and vector k, for the selected leaves.
-
-    The batch is split into examples along `axis` (see `IndependentExamples`) and
-    `loss_fn` re-traced on one example; each loss's example axis is where its
-    one-example outputs have size 1. The loss weights come from the full batch
-    (inside `per_loss`, each `(k, *leading, out)`); `prepare` turns the vectors,
-    with the example axis moved first, into stacked per-example vectors. The
-    one-example outputs are checked against `full_inputs` (an `eqx.error_if`).
-    Returns one `(N·K, *leaf.shape)` array per selected leaf.
-    """
-    caller = traced.caller
-    s = split(model, batch)
-    axes = leaf_axes(axis, batch, caller)
-    sizes = {x.shape[a] for x, a in zip(s.batch, axes) if a is not None and a < x.ndim}
-    if len(sizes) != 1 or any(
-        a is not None and a >= x.ndim for x, a in zip(s.batch, axes)
-    ):
-        raise ValueError(
-            f"`{caller}`: this structure needs per-example Jacobians, so the arrays "
-            "in `batch` must share an example axis of one size; got sizes "
-            f"{sorted(sizes)} along the example axes {axes} of arrays shaped "
-            f"{[tuple(x.shape) for x in s.batch]}. Say where the example axis is "
-            "with `examples=eqfisher.IndependentExamples(axis=...)` (`None` for "
-            "arrays every example shares, such as a BatchNorm state), or pass "
-            "`examples=eqfisher.InteractingExamples()` (exact, from full-batch "
-            "products; also for examples that interact, as through BatchNorm with "
-            "batch statistics)."
-        )
-    (n,) = sizes
-    one_leaves = [
-        x if a is None else jax.lax.slice_in_dim(x, 0, 1, axis=a)
-        for x, a in zip(s.batch, axes)
-    ]
-    b_dyn, b_static = eqx.partition(batch, eqx.is_array)
-    one = eqx.combine(
-        jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(b_dyn), one_leaves),
-        b_static,
-    )
-    s1 = split(model, one)
-    processed = traced.trace(s1, layers=False)  # only run, per example
-    one_shapes = [
-        n_.eqn.invars[0].aval.shape
-        for n_ in processed.program.nodes
-        if n_.eqn.primitive is loss_tag_p
-    ]
-    loss_axes = [_loss_axis(x.shape, sh, n) for x, sh in zip(full_inputs, one_shapes)]
-    if None in loss_axes:
-        raise ValueError(
-            f"`{caller}`: this structure needs per-example Jacobians, but a "
-            "registered loss has no example axis of size "
-            f"{n}: its outputs are shaped {[tuple(x.shape) for x in full_inputs]} "
-            f"for the batch and {[tuple(sh) for sh in one_shapes]} for one example. "
-            "Say where the example axis is with "
-            "`examples=eqfisher.IndependentExamples(axis=...)`, or pass "
-            "`examples=eqfisher.InteractingExamples()`."
-        )
-    vectors = prepare([jnp.moveaxis(v, 1 + a, 1) for v, a in zip(per_loss, loss_axes)])
-    selected = list(selected)
-
-    def example(ex_leaves, v):
-        def fn(sel):
-            p = list(s.params)
-            for i, leaf in zip(selected, sel):
-                p[i] = leaf
-            leaves = [
-                x if a is None else jnp.expand_dims(x, a)
-                for x, a in zip(ex_leaves, axes)
-            ]
-            ev = processed.run(p + s.others + leaves)
-            return tuple(jnp.squeeze(t[0], a) for t, a in zip(ev.tags, loss_axes))
-
-        outs, vjp = jax.vjp(fn, [s.params[i] for i in selected])
-        rows = jax.vmap(lambda c: vjp(tuple(c))[0])(v)
-        return rows, outs
-
-    in_axes = ([a for a in axes], 0)
-    vs = tuple(jnp.moveaxis(v, 1, 0) for v in vectors)  # (N, K, ...)
-    out, alone = jax.vmap(example, in_axes=in_axes)(s.batch, vs)
-    mismatch = jnp.asarray(False)
-    for x, a, y in zip(full_inputs, loss_axes, alone):
-        x = jnp.moveaxis(x, a, 0)
-        tol = jnp.sqrt(jnp.finfo(x.dtype).eps) * (1 + jnp.max(jnp.abs(x)))
-        mismatch = mismatch | (jnp.max(jnp.abs(x - y)) > tol)
-    out = [eqx.error_if(x, mismatch, f"`{caller}`: {INTERACTION}") for x in out]
-    return [x.reshape((-1,) + x.shape[2:]) for x in out]
