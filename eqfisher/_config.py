@@ -101,14 +101,16 @@ def configure(**changes: int) -> Iterator[Config]:
 
     A context manager; it yields the `eqfisher.Config` in effect inside the block.
 
-    ```python
-    with ef.configure(max_unroll=1024) as config:
-        curv = ef.curvature(
-            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
-        )
-    assert config.max_unroll == 1024
-    assert ef.current_config().max_unroll == 128  # restored after the block
-    ```
+    !!! Example
+
+        ```python
+        with ef.configure(max_unroll=1024) as config:
+            curv = ef.curvature(
+                loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+            )
+        assert config.max_unroll == 1024
+        assert ef.current_config().max_unroll == 128  # restored after the block
+        ```
 
     Settings are read when a loss is traced, so under `jax.jit` the block must
     surround the traced call.

@@ -38,6 +38,7 @@ from ._structures import (
 from ._tracing import Traced, split
 from .blocks import AbstractBlock
 from .blocks._base import register_psd_operator
+from .filters import AbstractFilter
 
 
 class Curvature(lx.AbstractLinearOperator):
@@ -122,12 +123,26 @@ class Curvature(lx.AbstractLinearOperator):
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def mv(self, vector: PyTree) -> PyTree:
-        """The product C v, for `vector` shaped like the parameters (a PyTree like
+        """The product $C v$, for `vector` shaped like the parameters (a PyTree like
         `eqx.filter(model, eqx.is_inexact_array)`, restricted by `where`).
 
         **Raises:**
 
         `ValueError` when `vector`'s leaves do not have the parameters' shapes.
+
+        !!! Example
+
+            With `model`, `batch` and `loss_fn` as in `eqfisher.curvature`'s example:
+
+            ```python
+            curv = ef.curvature(
+                loss_fn, model, batch, estimator=ef.GGN(), structure=ef.Dense()
+            )
+            grads = eqx.filter_grad(loss_fn)(model, batch)
+            cg = curv.mv(grads)  # a PyTree like grads
+            flat = jax.flatten_util.ravel_pytree
+            assert jnp.allclose(flat(cg)[0], curv.as_matrix() @ flat(grads)[0])
+            ```
         """
         return self._map(vector, lambda b, v: b.mv(v), "mv")
 
@@ -164,7 +179,23 @@ class Curvature(lx.AbstractLinearOperator):
         return self._map(vector, lambda b, v: b.solve(v, damping), "solve")
 
     def as_matrix(self, max_gib: float | int = 1.0) -> Float[Array, "size size"]:
-        """The dense matrix; a `ValueError` when it would take over `max_gib` GiB."""
+        """The dense matrix, rows and columns in the order of
+        `jax.flatten_util.ravel_pytree` of the parameters.
+
+        **Raises:**
+
+        `ValueError` when it would take over `max_gib` GiB.
+
+        !!! Example
+
+            ```python
+            curv = ef.curvature(
+                loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+            )
+            matrix = curv.as_matrix()  # zero between layers: K-FAC is block-diagonal
+            assert jnp.allclose(jnp.trace(matrix), curv.trace())
+            ```
+        """
         sizes = [math.prod(s.shape) for s in jax.tree_util.tree_leaves(self.structure)]
         offsets = np.cumsum([0] + sizes)
         # The statistics' dtype: float32 for a bfloat16 model.
@@ -195,22 +226,74 @@ class Curvature(lx.AbstractLinearOperator):
         return out
 
     def diagonal(self) -> PyTree:
-        """The diagonal, as a PyTree like the parameters."""
+        """The diagonal, as a PyTree like the parameters.
+
+        !!! Example
+
+            ```python
+            curv = ef.curvature(
+                loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+            )
+            d = curv.diagonal()  # each block's own diagonal, without a dense matrix
+            flat = jax.flatten_util.ravel_pytree(d)[0]
+            assert jnp.allclose(flat, jnp.diagonal(curv.as_matrix()))
+            ```
+        """
         zero = jax.tree_util.tree_map(
             lambda s: jnp.zeros(s.shape, s.dtype), self.structure
         )
         return self._map(zero, lambda b, v: b.diagonal(), "diagonal")
 
     def logdet(self, damping: ScalarLike) -> Float[Array, ""]:
-        """log det(C + damping·I)."""
+        r"""$\log \det(C + \text{damping} \cdot I)$, the sum of the blocks' (K-FAC's
+        from its factors' eigenvalues; no dense matrix is formed).
+
+        !!! Example
+
+            ```python
+            curv = ef.curvature(
+                loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+            )
+            size = curv.as_matrix().shape[0]
+            _, dense = jnp.linalg.slogdet(curv.as_matrix() + 0.1 * jnp.eye(size))
+            assert jnp.allclose(curv.logdet(0.1), dense, rtol=1e-4)
+            ```
+        """
         return sum(b.logdet(damping) for b in self.blocks.values())
 
     def trace(self) -> Float[Array, ""]:
-        """The trace, the sum of the blocks' traces (no dense matrix is formed)."""
+        """The trace, the sum of the blocks' traces (no dense matrix is formed).
+
+        !!! Example
+
+            ```python
+            curv = ef.curvature(
+                loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+            )
+            assert jnp.allclose(curv.trace(), jnp.trace(curv.as_matrix()))
+            ```
+        """
         return sum(b.trace() for b in self.blocks.values())
 
     def ema(self, other: "Curvature", decay: ScalarLike) -> "Curvature":
-        """decay·self + (1 − decay)·other, block by block (see each block's `ema`)."""
+        r"""The moving average $\text{decay} \cdot \text{self} + (1 - \text{decay})
+        \cdot \text{other}$, block by block (see each block's `ema`: K-FAC averages
+        its factors).
+
+        **Raises:**
+
+        `ValueError` when `other` has other blocks.
+
+        !!! Example
+
+            ```python
+            curv = ef.curvature(
+                loss_fn, model, batch, estimator=ef.GGN(), structure=ef.Diagonal()
+            )
+            half = curv.ema(curv.ema(curv, 0.0), 0.5)  # the average of curv with itself
+            assert jnp.allclose(half.as_matrix(), curv.as_matrix())
+            ```
+        """
         if other.blocks.keys() != self.blocks.keys():
             raise ValueError("`Curvature.ema(other, decay)`: `other` has other blocks.")
         new = {k: b.ema(other.blocks[k], decay) for k, b in self.blocks.items()}
@@ -527,7 +610,7 @@ def curvature(
     estimator: AbstractEstimator,
     structure: AbstractStructure,
     key: PRNGKeyArray | None = None,
-    where=None,
+    where: AbstractFilter | PyTree | None = None,
     examples: AbstractExamples = INDEPENDENT,
 ) -> Curvature:
     """The curvature of the value `loss_fn(model, batch)` returns.
@@ -615,7 +698,7 @@ def value_grad_and_curvature(
     structure: AbstractStructure,
     has_aux: bool = False,
     surrogate: bool = False,
-    where=None,
+    where: AbstractFilter | PyTree | None = None,
     examples: AbstractExamples = INDEPENDENT,
 ) -> Callable:
     """Loss, gradient and curvature from one forward pass and one stacked VJP.

@@ -64,13 +64,15 @@ def register_dense(
     location; a mapped weight (mapped along its leading axis) declares one layer
     per entry, each with its own Kronecker block (block-diagonal over the entries):
 
-    ```python
-    # FermiNet-style per-group weights w: (groups, d_in, d_out), inputs
-    # xs: (batch, groups, d_in); in a model, w is a parameter leaf.
-    w, xs = jnp.ones((3, 4, 2)), jnp.ones((32, 3, 4))
-    ys = jnp.einsum("ngi,gio->ngo", xs, w)
-    ys = jax.vmap(ef.register_dense, in_axes=(1, 1, 0), out_axes=1)(ys, xs, w)
-    ```
+    !!! Example
+
+        ```python
+        # FermiNet-style per-group weights w: (groups, d_in, d_out), inputs
+        # xs: (batch, groups, d_in); in a model, w is a parameter leaf.
+        w, xs = jnp.ones((3, 4, 2)), jnp.ones((32, 3, 4))
+        ys = jnp.einsum("ngi,gio->ngo", xs, w)
+        ys = jax.vmap(ef.register_dense, in_axes=(1, 1, 0), out_axes=1)(ys, xs, w)
+        ```
     """
     operands = (y, x, w) if b is None else (y, x, w, b)
     _check_shapes(y, x, w, b)

@@ -1,4 +1,5 @@
 import functools as ft
+import inspect
 
 import equinox as eqx
 import jax
@@ -657,3 +658,26 @@ def test_amortised_kfac_step_equals_the_hand_written_loop(make):
     )
     assert int(optim.find_kfac_state(state).curvature_count) == 3
     assert step._cached._cache_size() == 1
+
+
+def test_signatures_show_the_measured_defaults():
+    # The public signatures write the defaults out (the API reference shows them);
+    # they must be the values eqfisher/optim/_state.py records as chosen by
+    # benchmarks/kfac_grid.py (exposed for tests by eqfisher.internal).
+    from eqfisher import internal
+
+    chosen = {
+        "damping": internal.DAMPING,
+        "momentum": internal.MOMENTUM,
+        "inverse_every": internal.INVERSE_EVERY,
+        "norm_constraint": internal.NORM_CONSTRAINT,
+        "damping_variant": internal.PI_DAMPING,
+        "curvature_update_period": internal.CURVATURE_UPDATE_PERIOD,
+    }
+    seen = 0
+    for fn in (ef.optim.kfac, ef.optim.kfac_preconditioner, ef.optim.kfac_step):
+        for name, p in inspect.signature(fn).parameters.items():
+            if name in chosen:
+                assert p.default == chosen[name], (fn.__name__, name, p.default)
+                seen += 1
+    assert seen == 10

@@ -8,10 +8,6 @@ from jaxtyping import Array, PyTree
 from .._curvature import Curvature
 from .._damping import AbstractDamping
 from ._state import (
-    DAMPING,
-    INVERSE_EVERY,
-    MOMENTUM,
-    NORM_CONSTRAINT,
     PI_DAMPING,
     KFACState,
     ScalarOrSchedule,
@@ -123,11 +119,11 @@ def guard(direction: PyTree, state: KFACState) -> tuple[PyTree, KFACState]:
 def kfac_preconditioner(
     *,
     like: Curvature,
-    damping: ScalarOrSchedule = DAMPING,
+    damping: ScalarOrSchedule = 1e-3,
     decay: float = 0.95,
-    inverse_every: int = INVERSE_EVERY,
+    inverse_every: int = 5,
     damping_variant: AbstractDamping = PI_DAMPING,
-    norm_constraint: float | None = NORM_CONSTRAINT,
+    norm_constraint: float | None = 1e-2,
     learning_rate: ScalarOrSchedule = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Preconditions gradients by a damped, averaged curvature.
@@ -220,13 +216,13 @@ def kfac(
     learning_rate: ScalarOrSchedule,
     *,
     like: Curvature,
-    damping: ScalarOrSchedule = DAMPING,
-    momentum: float = MOMENTUM,
+    damping: ScalarOrSchedule = 1e-3,
+    momentum: float = 0.0,
     decay: float = 0.95,
-    inverse_every: int = INVERSE_EVERY,
+    inverse_every: int = 5,
     weight_decay: float = 0.0,
     damping_variant: AbstractDamping = PI_DAMPING,
-    norm_constraint: float | None = NORM_CONSTRAINT,
+    norm_constraint: float | None = 1e-2,
 ) -> optax.GradientTransformationExtraArgs:
     """K-FAC, ready to use: preconditioner, weight decay, momentum, learning rate.
 

@@ -24,7 +24,8 @@ evaluated at every update; the damping when the cached inverse is refreshed."""
 # "The defaults grid"): no configuration of it gives a non-finite run at any learning
 # rate in 1e-3…1 on its five problems; damping 1e-3 with norm constraint 1e-2 and no
 # momentum needs the fewest steps, and statistics every 4th step the fewest seconds
-# (steps × measured seconds per step).
+# (steps × measured seconds per step). The public signatures write these values out,
+# so that the API reference shows them; tests/test_optim.py checks they agree.
 DAMPING = 1e-3
 MOMENTUM = 0.0
 NORM_CONSTRAINT = 1e-2

@@ -12,7 +12,6 @@ from .._curvature import value_grad_and_curvature
 from .._estimators import AbstractEstimator
 from .._structures import AbstractStructure
 from ._state import (
-    CURVATURE_UPDATE_PERIOD,
     check_positive_int,
     find_kfac_state,
 )
@@ -58,7 +57,7 @@ def kfac_step(
     *,
     estimator: AbstractEstimator,
     structure: AbstractStructure,
-    curvature_update_period: int = CURVATURE_UPDATE_PERIOD,
+    curvature_update_period: int = 4,
     curvature_batch_size: int | None = None,
 ) -> Callable:
     r"""One jitted training step: gradient, curvature when due, optimiser update.

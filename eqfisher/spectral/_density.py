@@ -174,10 +174,12 @@ def lanczos_quadrature(
 
     A [`eqfisher.spectral.Quadrature`][]; call its `density()` or `log_density()`.
 
-    ```python
-    q = ef.spectral.lanczos_quadrature(hessian, iterations=40, key=key, repeats=4)
-    grid, density = q.density()
-    ```
+    !!! Example
+
+        ```python
+        q = ef.spectral.lanczos_quadrature(hessian, iterations=40, key=key, repeats=4)
+        grid, density = q.density()
+        ```
     """
     caller = "eqfisher.spectral.lanczos_quadrature"
     check_count(iterations, "iterations", caller, minimum=2)
@@ -233,10 +235,12 @@ def spectral_density(
 
     `(grid, density)`, both of shape `(points,)`, ready to plot.
 
-    ```python
-    grid, density = ef.spectral.spectral_density(ggn, iterations=40, key=key)
-    # plt.semilogy(grid, density) with matplotlib
-    ```
+    !!! Example
+
+        ```python
+        grid, density = ef.spectral.spectral_density(ggn, iterations=40, key=key)
+        # plt.semilogy(grid, density) with matplotlib
+        ```
     """
     q = lanczos_quadrature(operator, iterations=iterations, key=key, repeats=repeats)
     if kappa is None:

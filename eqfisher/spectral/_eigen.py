@@ -47,10 +47,12 @@ def top_eigenpairs(
     (eigenvector i is `jax.tree.map(lambda x: x[i], eigenvectors)`), each of unit
     norm.
 
-    ```python
-    values, vectors = ef.spectral.top_eigenpairs(hessian, 3, key=key)
-    sharpness = values[0]
-    ```
+    !!! Example
+
+        ```python
+        values, vectors = ef.spectral.top_eigenpairs(hessian, 3, key=key)
+        sharpness = values[0]
+        ```
     """
     caller = "eqfisher.spectral.top_eigenpairs"
     flat = flatten(operator, caller)
@@ -102,9 +104,11 @@ def extreme_eigenvalues(
 
     `(smallest, largest)`, two scalars.
 
-    ```python
-    low, high = ef.spectral.extreme_eigenvalues(hessian, iterations=30, key=key)
-    ```
+    !!! Example
+
+        ```python
+        low, high = ef.spectral.extreme_eigenvalues(hessian, iterations=30, key=key)
+        ```
     """
     caller = "eqfisher.spectral.extreme_eigenvalues"
     check_count(iterations, "iterations", caller)

@@ -45,9 +45,11 @@ def squared_frobenius_norm(
 
     A scalar.
 
-    ```python
-    f2 = ef.spectral.squared_frobenius_norm(ggn, matvecs=50, key=key)
-    ```
+    !!! Example
+
+        ```python
+        f2 = ef.spectral.squared_frobenius_norm(ggn, matvecs=50, key=key)
+        ```
     """
     caller = "eqfisher.spectral.squared_frobenius_norm"
     check_count(matvecs, "matvecs", caller)

@@ -311,10 +311,12 @@ def trace(
     - `ValueError` when `operator` is not square, or `batch_size` is not a
       positive integer or `None`.
 
-    ```python
-    ggn = ef.ggn_operator(loss_fn, model, batch)
-    t = ef.spectral.trace(ggn, ef.spectral.XTrace(matvecs=40), key=key)
-    ```
+    !!! Example
+
+        ```python
+        ggn = ef.ggn_operator(loss_fn, model, batch)
+        t = ef.spectral.trace(ggn, ef.spectral.XTrace(matvecs=40), key=key)
+        ```
     """
     caller = "eqfisher.spectral.trace"
     _check_estimator(estimator, caller)
@@ -346,9 +348,11 @@ def diagonal(
 
     The diagonal as a PyTree like the operator's operand (the parameters).
 
-    ```python
-    d = ef.spectral.diagonal(ggn, ef.spectral.XTrace(matvecs=40), key=key)
-    ```
+    !!! Example
+
+        ```python
+        d = ef.spectral.diagonal(ggn, ef.spectral.XTrace(matvecs=40), key=key)
+        ```
     """
     caller = "eqfisher.spectral.diagonal"
     _check_estimator(estimator, caller)
