@@ -110,7 +110,7 @@ def main() -> None:
             stats._patch_elements(record) * inputs.shape[0] * inputs.itemsize / 2**20
         )
         print(
-            f"{record.info.name}: input {inputs.nbytes / 2**20:.1f} MiB, patch matrix "
+            f"{record.name}: input {inputs.nbytes / 2**20:.1f} MiB, patch matrix "
             f"{patch_mib:.1f} MiB | whole: temp {mems['patches']:.1f} MiB, "
             f"{ms['patches']:.1f} ms | chunked: temp {mems['chunked']:.1f} MiB, "
             f"{ms['chunked']:.1f} ms | max |diff| {diff:.1e}"

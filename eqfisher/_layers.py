@@ -85,7 +85,9 @@ class LayerRecord:
     layer, its tag).
     """
 
-    info: LayerInfo
+    name: str
+    kind: LayerKind
+    param_paths: tuple[str, ...]
     param_indices: tuple[int, ...]
     inputs: Any
     outputs: PVar
@@ -97,8 +99,10 @@ class LayerRecord:
     core: Node
 
     @property
-    def kind(self) -> LayerKind:
-        return self.info.kind
+    def info(self) -> LayerInfo:
+        """What `find_layers` reports of it. Built on demand: a scanned layer has a
+        record per step, and an `eqx.Module` per record costs tracing time."""
+        return LayerInfo(self.name, self.kind, self.param_paths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,9 +141,11 @@ def _record(
     indices: tuple[int, ...] | None = None,
     inputs: Any = None,
     outputs: PVar | None = None,
+    like: LayerRecord | None = None,
 ) -> LayerRecord:
     """The record of a kept candidate; a scan body's candidate at one step gives
-    that step's `indices`, `inputs` and `outputs`."""
+    that step's `indices`, `inputs` and `outputs`, and copies the rest from `like`
+    (its record at another step: a long scan has a record per step)."""
     indices = cand.indices if indices is None else indices
     paths = tuple(numbering.paths[i] for i in indices)
     name = layer_name(paths)
@@ -150,10 +156,21 @@ def _record(
         # One scan step's slices: the step index comes last, `blocks.attn.q[2]`.
         base = [numbering.leaf_paths[numbering.orders[i][0]] for i in indices]
         name = layer_name(base) + "".join(f"[{k}]" for k in step)
+    if like is not None:
+        return dataclasses.replace(
+            like,
+            name=name,
+            param_paths=paths,
+            param_indices=indices,
+            inputs=inputs,
+            outputs=outputs,
+        )
     out_shape = cand.outputs.aval.shape
     d_out = math.prod(out_shape[i] for i in _axes.feature_axes(cand.out_labels))
     return LayerRecord(
-        info=LayerInfo(name, cand.kind, paths),
+        name=name,
+        kind=cand.kind,
+        param_paths=paths,
         param_indices=indices,
         inputs=cand.activation if inputs is None else inputs,
         outputs=cand.outputs if outputs is None else outputs,
@@ -194,7 +211,7 @@ def _unique_names(records: Sequence[LayerRecord]) -> tuple[LayerRecord, ...]:
     owners: dict[str, tuple[int, ...]] = {}
     out = []
     for r in records:
-        name = r.info.name
+        name = r.name
         if owners.get(name) == r.param_indices:  # another use of a tied layer
             out.append(r)
             continue
@@ -202,7 +219,7 @@ def _unique_names(records: Sequence[LayerRecord]) -> tuple[LayerRecord, ...]:
         seen[name] = seen.get(name, 0) + 1
         if seen[name] > 1:
             name = f"{name}#{seen[name]}"
-            r = dataclasses.replace(r, info=LayerInfo(name, r.kind, r.info.param_paths))
+            r = dataclasses.replace(r, name=name)
         out.append(r)
     return tuple(out)
 
@@ -311,19 +328,21 @@ def _every_step(program: Program, graph: Graph, cands, verdict: Verdict) -> Dete
         def at(var, step, scan=scan, inside=inside):
             return scan.step_var(var, step) if id(var) in inside else var
 
+        first = None
         for step in scan.steps:
             indices = tuple(
                 per_step[i][step] if i in per_step else moved[i] for i in cand.indices
             )
-            records.append(
-                _record(
-                    cand,
-                    numbering,
-                    indices,
-                    at(cand.activation, step),
-                    at(cand.outputs, step),
-                )
+            record = _record(
+                cand,
+                numbering,
+                indices,
+                at(cand.activation, step),
+                at(cand.outputs, step),
+                like=first,
             )
+            first = first or record
+            records.append(record)
     records = _in_order(records, numbering)
     used = {i for r in records for i in r.param_indices}
     back = {v: k for k, v in moved.items()}

@@ -93,7 +93,7 @@ def candidates(processed, selected: list[int], unsupported) -> tuple[Group, ...]
         kron = weight_in and reason is None
         # A layer without a weight (scale-and-shift) is not refused, only diagonal.
         refused = reason if weight_in and r.weight_perm is not None else None
-        out.append(group(r.info.name, r.info, leaves, tuple(records), kron, refused))
+        out.append(group(r.name, r.info, leaves, tuple(records), kron, refused))
     for i in parts:
         if i not in covered:
             out.append(

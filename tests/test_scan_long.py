@@ -221,7 +221,7 @@ def test_pooled_factors_of_a_shared_cell_equal_the_per_step_sum(reduce, max_fact
     traced = Traced(ce_recurrent, "test")
     s = split(model, batch)
     processed = traced.trace(s)
-    cell = [r for r in processed.layers if r.info.name == "cell"]
+    cell = [r for r in processed.layers if r.name == "cell"]
     assert len(cell) == 8
     _, vjp, (losses, inputs), _ = layer_outputs_vjp(
         processed, s, processed.layers, full=False

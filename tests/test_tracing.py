@@ -175,7 +175,7 @@ def test_layer_vjp_zoo(entry: ZooEntry):
     data = vjp_fn((t,))
 
     records = trace(entry.loss_fn, split(model, batch)).layers
-    assert [r.info.name for r in records] == [name for name, _, _ in entry.layers]
+    assert [r.name for r in records] == [name for name, _, _ in entry.layers]
     assert len(data) == len(records)
     kinds_checked = set()
     for record, d in zip(records, data, strict=False):
