@@ -1,15 +1,17 @@
-"""Continual learning with elastic weight consolidation (EWC) on split digits.
+r"""Continual learning with elastic weight consolidation (EWC) on split digits.
 
 Task A is to tell the digits 0–4 apart, task B the digits 5–9. One MLP with two
 output heads (logits 0–4 for task A, 5–9 for task B; the "multi-head" split-digits
 protocol) learns A, then B. Training on B moves the shared hidden layers and the
 network forgets A. EWC (Kirkpatrick et al., 2017) adds to task B's loss the penalty
 
-    λ/2 · Σᵢ Fᵢ (θᵢ − θ*ᵢ)²,
+$$
+\frac{\lambda}{2} \sum_i F_i \, (\theta_i - \theta^*_i)^2,
+$$
 
-with θ* the weights after task A and F the diagonal of task A's Fisher, which eqfisher
-computes exactly with `structure=ef.Diagonal()`: parameters that mattered for A are
-held in place, the others stay free for B.
+with $\theta^*$ the weights after task A and $F$ the diagonal of task A's Fisher,
+which eqfisher computes exactly with `structure=ef.Diagonal()`: parameters that
+mattered for A are held in place, the others stay free for B.
 
 Run it with `python examples/ewc_split_digits.py` (add `--smoke` for a short run).
 """

@@ -1,22 +1,26 @@
-"""Influence of training points on a test prediction, by CG on the exact GGN.
+r"""Influence of training points on a test prediction, by CG on the exact GGN.
 
 Koh & Liang's influence function asks how the loss on a test point would change if a
 training point were up-weighted:
 
-    I(z_train, z_test) = −∇L(z_test)ᵀ (G + λI)⁻¹ ∇L(z_train),
+$$
+\mathcal I(z_\text{train}, z_\text{test})
+= -\nabla L(z_\text{test})^\top (G + \lambda I)^{-1} \nabla L(z_\text{train}),
+$$
 
-with G the curvature of the training loss at the trained weights. Here G is the
+with $G$ the curvature of the training loss at the trained weights. Here $G$ is the
 exact generalised Gauss-Newton matrix, positive semidefinite where the Hessian need
-not be, applied matrix-free by `ef.ggn_operator`, and λ > 0 a damping.
-`ef.influence.influence_scores` with `ef.influence.ConjugateGradient` solves once for
-the test gradient (`lineax.CG`) and pairs the solution with every training gradient,
-a chunk of examples at a time. Its score is ∇L(z_test)ᵀ (G + λI)⁻¹ ∇L(z_train), so
-I = −score.
+not be, applied matrix-free by `ef.ggn_operator`, and $\lambda > 0$ a damping.
+`ef.influence.influence_scores` with `ef.influence.ConjugateGradient` solves once
+for the test gradient (`lineax.CG`) and pairs the solution with every training
+gradient, a chunk of examples at a time. Its score is
+$\nabla L(z_\text{test})^\top (G + \lambda I)^{-1} \nabla L(z_\text{train})$, so
+$\mathcal I = -\text{score}$.
 
 A positive influence means up-weighting the training point would *raise* the test
 loss (harmful); a negative one, that it would lower it (helpful).
 
-The model is small, so the script also builds G densely (`as_matrix()`) and checks
+The model is small, so the script also builds $G$ densely (`as_matrix()`) and checks
 the scores against a dense solve.
 
 Run it with `python examples/influence.py` (add `--smoke` for a short run).

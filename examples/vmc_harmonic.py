@@ -1,27 +1,37 @@
-"""Natural-gradient variational Monte Carlo for the 1-D harmonic oscillator.
+r"""Natural-gradient variational Monte Carlo for the 1-D harmonic oscillator.
 
-The Hamiltonian H = −½ d²/dx² + ½ x² has ground-state energy ½, with wavefunction
-∝ exp(−x²/2). We minimise the variational energy E(θ) = ⟨ψ|H|ψ⟩ / ⟨ψ|ψ⟩ over the
-trial wavefunctions ψ(x) = exp(−a x² + b x) (a > 0), an `eqx.Module` with parameters
-θ = (log a, b). The energy is estimated by Monte Carlo: x is drawn from |ψ|², which
-for this family is exactly a normal distribution (mean b/(2a), variance 1/(4a)), and
+The Hamiltonian $H = -\tfrac12 \frac{d^2}{dx^2} + \tfrac12 x^2$ has ground-state
+energy $\tfrac12$, with wavefunction $\propto e^{-x^2/2}$. The script minimises the
+variational energy $E(\theta) = \langle\psi|H|\psi\rangle / \langle\psi|\psi\rangle$
+over the trial wavefunctions $\psi(x) = \exp(-a x^2 + b x)$ ($a > 0$), an
+`eqx.Module` with parameters $\theta = (\log a, b)$. The energy is estimated by
+Monte Carlo: $x$ is drawn from $|\psi|^2$, which for this family is exactly a normal
+distribution (mean $b/(2a)$, variance $1/(4a)$), and
 
-    E ≈ mean E_L(x),   E_L = −½ ψ''/ψ + ½ x²   (the "local energy").
+$$
+E \approx \operatorname{mean} E_L(x), \qquad
+E_L = -\frac12 \frac{\psi''}{\psi} + \frac12 x^2 \quad \text{(the local energy)}.
+$$
 
-Its gradient is ∇E = 2·Cov(E_L, O) with O = ∂ log ψ / ∂θ, the gradient of the
-*surrogate* mean(stop_gradient(E_L − Ē) · 2 log ψ(x)); the value we report is E.
-Stochastic reconfiguration preconditions it with S = Cov(O), the metric of the
-family of distributions |ψ|² (its Fisher information is 4S).
+Its gradient is $\nabla E = 2\,\mathrm{Cov}(E_L, O)$ with
+$O = \partial_\theta \log\psi$, the gradient of the *surrogate*
+$\operatorname{mean}(\mathrm{stop\_gradient}(E_L - \bar E) \cdot 2 \log\psi(x))$;
+the value reported is $E$. Stochastic reconfiguration preconditions it with
+$S = \mathrm{Cov}(O)$, the metric of the family of distributions $|\psi|^2$ (its
+Fisher information is $4S$).
 
-Where eqfisher comes in: `value_grad_and_curvature(..., surrogate=True)` returns E,
-the surrogate's gradient and the curvature of the *registered* loss in one call. We
-register `ef.squared_error` on f(x) = 2 log ψ̃(x), ψ̃ = ψ/‖ψ‖ the normalised
-wavefunction (‖ψ‖ is known in closed form here). The GGN of a squared error is
-(1/N) Σₙ Jₙᵀ Jₙ with Jₙ = ∂f(xₙ)/∂θ = 2 Õₙ, i.e. 4·mean(Õ Õᵀ); and because ψ̃ is
-normalised, Õ = ∂ log ψ̃/∂θ is a score function with mean zero under |ψ̃|², so this
-is an unbiased estimate of 4·Cov(O) = 4S without any centring. (Centring inside
-the loss would couple the examples, which the per-example pass of `ef.Dense()`
-does not allow.) The targets of the squared error do not enter its GGN.
+Where eqfisher comes in: `value_grad_and_curvature(..., surrogate=True)` returns
+$E$, the surrogate's gradient and the curvature of the *registered* loss in one
+call. The script registers `ef.squared_error` on $f(x) = 2 \log\tilde\psi(x)$, with
+$\tilde\psi = \psi / \lVert\psi\rVert$ the normalised wavefunction
+($\lVert\psi\rVert$ is known in closed form here). The GGN of a squared error is
+$\frac1N \sum_n J_n^\top J_n$ with $J_n = \partial_\theta f(x_n) = 2 \tilde O_n$,
+i.e. $4 \operatorname{mean}(\tilde O \tilde O^\top)$; and because $\tilde\psi$ is
+normalised, $\tilde O = \partial_\theta \log\tilde\psi$ is a score function with
+mean zero under $|\tilde\psi|^2$, so this is an unbiased estimate of
+$4\,\mathrm{Cov}(O) = 4S$ without any centring. (Centring inside the loss would
+couple the examples, which the per-example pass of `ef.Dense()` does not allow.)
+The targets of the squared error do not enter its GGN.
 
 Run it with `python examples/vmc_harmonic.py` (add `--smoke` for a short run).
 """

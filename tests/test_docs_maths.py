@@ -2,7 +2,8 @@
 
 Formulas are written as `$...$` (inline) and `$$...$$` (display) for
 pymdownx.arithmatex and the KaTeX copy served from docs/assets/katex. These tests
-read the Markdown sources, and the public docstrings that docs/api.md renders:
+read the Markdown sources, the public docstrings that docs/api.md renders, and the
+module docstrings of the scripts in examples/ that their pages open with:
 
 - outside code and maths, no character that only a formula uses (⊗, ⁻¹, ᵀ, ‖, Σ,
   √, θ, λ, ...), so no formula is left in plain Unicode;
@@ -199,7 +200,9 @@ def test_the_checks_see_formulas():
 # --- docstrings ---------------------------------------------------------------------
 #
 # docs/api.md renders the public docstrings (mkdocstrings, with the same arithmatex),
-# so their formulas are KaTeX too: in prose, not in ```python examples or `code`.
+# and each example's page opens with its script's module docstring
+# (docs/hooks/examples.py), so their formulas are KaTeX too: in prose, not in
+# ```python examples or `code`.
 
 # Source files whose docstrings still have Unicode formulas, relative to the
 # repository root. Empty it as they are converted, and keep it empty.
@@ -249,7 +252,20 @@ def _docstrings() -> list[tuple[str, str, str]]:
     return out
 
 
-DOCSTRINGS = _docstrings()
+def _example_docstrings() -> list[tuple[str, str, str]]:
+    """(file, file, module docstring) of every script in examples/: the hook
+    docs/hooks/examples.py makes each one's page from it. Read from the source, as
+    the hook does, without importing the script."""
+    out = []
+    for path in sorted((ROOT / "examples").glob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        if doc:
+            name = path.relative_to(ROOT).as_posix()
+            out.append((name, name, doc))
+    return out
+
+
+DOCSTRINGS = _docstrings() + _example_docstrings()
 
 
 def _unicode_formulas(doc: str) -> list[str]:
@@ -310,7 +326,8 @@ def test_docstrings_with_maths_are_raw():
     # In a plain string `\nabla`, `\top` and `\bar` hold a newline, a tab and a
     # backspace: a docstring with maths and backslashes is `r"""..."""`.
     found = []
-    for path in sorted((ROOT / "eqfisher").rglob("*.py")):
+    paths = sorted((ROOT / "eqfisher").rglob("*.py"))
+    for path in [*paths, *sorted((ROOT / "examples").glob("*.py"))]:
         source = path.read_text()
         for node in ast.walk(ast.parse(source)):
             body = getattr(node, "body", None)
@@ -336,6 +353,10 @@ def test_the_docstring_checks_see_formulas():
     assert {"eqfisher/losses.py", "eqfisher/blocks/kronecker.py"} <= paths
     maths = [f for _, _, doc in DOCSTRINGS for f in _maths(_without_code(doc))]
     assert r"S S^\top = H" in maths
+    # Every example script's module docstring, which its page opens with.
+    scripts = {p.relative_to(ROOT).as_posix() for p in (ROOT / "examples").glob("*.py")}
+    assert scripts and scripts <= paths
+    assert "\n" + r"\Lambda = N C + \delta I," + "\n" in maths  # laplace_digits.py
     # Code in a docstring is not prose: an example's comment may use Unicode.
     doc = "A $\\lambda$ step.\n\n```python\nx = 1  # (B + λI)⁻¹ v\n```\n"
     assert not _unicode_formulas(doc) and _unicode_formulas("(B + λI)⁻¹ v")

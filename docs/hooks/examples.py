@@ -2,10 +2,12 @@
 
 At every build each script in `examples/` is run (`--smoke`: small data, few steps,
 so the whole set takes about two minutes on two cores), and its page is generated
-from the script's docstring (or its KaTeX version in `intros/`), its printed
-output, the plots it wrote and its full source: what the site shows cannot drift
-from what the code does. `eqfisher demo`
-runs too (its full run: about ten seconds of training), for its table and PNG.
+from the script's module docstring (its single source: the docstring writes its
+formulas as KaTeX, `$...$` and `$$` blocks, which the page renders), the notes on
+the full run in `notes/NAME.md` where there are any, its printed output, the plots
+it wrote and its full source: what the site shows cannot drift from what the code
+does. `eqfisher demo` runs too (its full run: about ten seconds of training), for
+its table and PNG.
 
 Results are cached under `~/.cache/eqfisher-docs/` by the hash of the script, the
 package sources and the Python executable, so `mkdocs serve` reruns only what
@@ -95,18 +97,13 @@ def _docstring(path: pathlib.Path) -> tuple[str, str]:
     return title.rstrip("."), body.strip()
 
 
-def _intro(name: str, body: str) -> str:
-    """The page's introduction: the docstring's body, or docs/hooks/intros/NAME.md.
+def _intro(body: str) -> str:
+    """The page's introduction: the docstring's body without its "Run it with ..."
+    paragraph (the page says how to run the script).
 
-    A docstring is read in a terminal, so its formulas are Unicode and its display
-    formulas indented (which Markdown would show as code). Where that matters the
-    page takes the same text with KaTeX maths from `intros/`; the docstring is on
-    the page anyway, at the top of the code. The "Run it with ..." paragraph is left
-    out: the page says how to run the script.
+    The docstring's formulas are KaTeX, so the same text reads in a terminal and
+    renders on the page (tests/test_docs_maths.py checks them).
     """
-    intro = ROOT / "docs" / "hooks" / "intros" / f"{name}.md"
-    if intro.exists():
-        return intro.read_text().strip()
     paragraphs = body.split("\n\n")
     return "\n\n".join(p for p in paragraphs if not p.startswith("Run it with"))
 
@@ -114,7 +111,7 @@ def _intro(name: str, body: str) -> str:
 def _example_page(path: pathlib.Path, run: pathlib.Path, versions: str) -> str:
     title, body = _docstring(path)
     name = path.stem
-    body = _intro(name, body)
+    body = _intro(body)
     pngs = sorted(p.name for p in run.glob("*.png"))
     notes = ROOT / "docs" / "hooks" / "notes" / f"{name}.md"
     lines = [
