@@ -16,6 +16,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree, ScalarLike
 from . import _statistics as stats, filters
 from ._config import Config, current_config
 from ._estimators import AbstractEstimator, loss_vectors, stacked_vectors
+from ._example_axes import proven_labels
 from ._examples import AbstractExamples, IndependentExamples, InteractingExamples
 from ._per_example import (
     INTERACTION,
@@ -410,7 +411,9 @@ class _Builder(eqx.Module):
         s = split(model, batch)
         processed = self.traced.trace(s)
         grouping, needs = self._grouping(processed, selected, model)
-        shifts = self._main_pass_rows(batch, grouping, needs)
+        shifts, n_examples, labels = self._main_pass_rows(
+            processed, s, batch, grouping, needs
+        )
         records = [r for g, n in zip(grouping, needs) if n.kronecker for r in g.records]
         records += [r for g in shifts for r in g.records]
         outputs, vjp, (losses, inputs), grad_vjp = stats.layer_outputs_vjp(
@@ -436,7 +439,7 @@ class _Builder(eqx.Module):
             vjp,
             grouping,
             needs,
-            (shifts, inputs, point_ct),
+            (shifts, n_examples, labels, inputs, point_ct),
         )
         blocks, steps_cache = {}, {}
         for g, n in zip(grouping, needs):
@@ -509,14 +512,22 @@ class _Builder(eqx.Module):
             )
         return block
 
-    def _main_pass_rows(self, batch, grouping, needs) -> list[Group]:
-        """The groups whose per-example rows can come from the main pass (see
-        `_per_example.py`): scale-and-shift layers, for independent examples."""
+    def _main_pass_rows(self, processed, s, batch, grouping, needs):
+        """`(groups, n, labels)`: the groups whose per-example rows can come from the
+        main pass (see `_per_example.py`), scale-and-shift layers with independent
+        examples; the number of examples; and the labels of `_example_axes` when
+        they prove the examples cannot interact (else None: a forward per example
+        then checks it)."""
         groups = [g for g, nd in zip(grouping, needs) if nd.examples and g.records]
         if not groups or not isinstance(self.examples, IndependentExamples):
-            return []
-        n = example_count(batch, self.examples.axis, self.caller)
-        return [g for g in groups if main_pass_rows_possible(g.records, n)]
+            return [], None, None
+        axis = self.examples.axis
+        n = example_count(batch, axis, self.caller)
+        if n is None:
+            return [], None, None
+        labels = proven_labels(processed.program, s, batch, axis, self.caller)
+        shifts = [g for g in groups if main_pass_rows_possible(g.records, n, labels)]
+        return shifts, n, labels
 
     def _rows(
         self, model, batch, processed, losses, per_loss, vjp, grouping, needs, main
@@ -524,7 +535,7 @@ class _Builder(eqx.Module):
         """Per parameter number, the exact per-example vectors `(m, *shape)`, for the
         groups that need them: from the main pass where `main` (groups, layer
         inputs, output cotangents) allows, else from a pass per example."""
-        shifts, inputs, point_ct = main
+        shifts, n_examples, labels, inputs, point_ct = main
         parts = sorted(
             {i for g, n in zip(grouping, needs) if n.examples for i in g.leaves}
         )
@@ -537,29 +548,34 @@ class _Builder(eqx.Module):
             p_ct, _ = jax.vmap(vjp)(full_vectors)
             return _unit_rows(processed, parts, p_ct)
         full_inputs = [loss.inputs for loss in losses]
-        one = one_example(self.traced, model, batch, full_inputs, self.examples.axis)
         shifted = {i for g in shifts for i in g.leaves}
-        rows = {}
         rest = [i for i in parts if i not in shifted]
-        if rest:
-            leaves = sorted({processed.units[i][0] for i in rest})
-            vecs, mismatch = per_example_vectors(
-                one,
-                per_loss,
-                full_inputs,
-                lambda v: stacked_vectors(
-                    [self.estimator.example_vectors(x) for x in v]
-                ),
-                leaves,
+        rows, mismatch = {}, None
+        if rest or labels is None:
+            one = one_example(
+                self.traced, model, batch, full_inputs, self.examples.axis
             )
-            rows = _unit_rows(processed, rest, dict(zip(leaves, vecs)))
-        else:
-            mismatch = examples_mismatch(one, full_inputs)
+            if rest:
+                leaves = sorted({processed.units[i][0] for i in rest})
+                vecs, mismatch = per_example_vectors(
+                    one,
+                    per_loss,
+                    full_inputs,
+                    lambda v: stacked_vectors(
+                        [self.estimator.example_vectors(x) for x in v]
+                    ),
+                    leaves,
+                )
+                rows = _unit_rows(processed, rest, dict(zip(leaves, vecs)))
+            else:
+                mismatch = examples_mismatch(one, full_inputs)
         if shifts:
             s = split(model, batch)
             shapes = {i: processed.take(s.params, i).shape for i in shifted}
             records = [r for g in shifts for r in g.records]
-            rows |= shift_rows(records, inputs, point_ct, one.n, shapes)
+            rows |= shift_rows(records, inputs, point_ct, n_examples, shapes, labels)
+        if mismatch is None:  # proven at trace time (`_example_axes`)
+            return rows
         message = f"`{self.caller}`: {INTERACTION}"
         return {i: eqx.error_if(x, mismatch, message) for i, x in rows.items()}
 

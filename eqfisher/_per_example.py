@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from ._example_axes import MIXED, label_of
 from ._examples import leaf_axes
 from ._layers import LayerRecord
 from ._program import PVar, VarMap
@@ -220,10 +221,12 @@ class _Layout:
     example: int | None
 
 
-def _layout(record: LayerRecord, n: int) -> _Layout | None:
+def _layout(record: LayerRecord, n: int, labels: dict | None) -> _Layout | None:
     """The layout of `record` for a batch of `n` examples, or None when its rows
-    cannot come from the main pass (no or several location axes of size `n`, or an
-    input laid out differently from its output)."""
+    cannot come from the main pass: an input laid out differently from its output,
+    or no example axis. With `labels` (`_example_axes.proven_labels`) the example
+    axis is the labelled one; without, the one location axis of size `n` (the
+    examples then need `examples_mismatch`)."""
     x, y = record.inputs, record.outputs
     if record.kind != "scale_and_shift" or not isinstance(x, PVar):
         return None
@@ -237,6 +240,13 @@ def _layout(record: LayerRecord, n: int) -> _Layout | None:
     )
     if locations is None:
         return None
+    if labels is not None:
+        ex, ey = label_of(labels, x), label_of(labels, y)
+        if ex in (None, MIXED) or ey in (None, MIXED):
+            return None
+        at = record.in_order.index(ex)
+        aligned = at == record.out_order.index(ey) and at < locations
+        return _Layout(shape, locations, at) if aligned else None
     if n == 1:
         return _Layout(shape, locations, None)
     at_n = [i for i in range(locations) if shape[i] == n]
@@ -245,13 +255,15 @@ def _layout(record: LayerRecord, n: int) -> _Layout | None:
     return _Layout(shape, locations, at_n[0])
 
 
-def main_pass_rows_possible(records: Sequence[LayerRecord], n: int | None) -> bool:
+def main_pass_rows_possible(
+    records: Sequence[LayerRecord], n: int | None, labels: dict | None
+) -> bool:
     """Whether a group's per-example rows can come from the main pass: it is a
     scale-and-shift layer (every use) whose examples lie along one axis."""
     return (
         n is not None
         and bool(records)
-        and all(_layout(r, n) is not None for r in records)
+        and all(_layout(r, n, labels) is not None for r in records)
     )
 
 
@@ -291,6 +303,7 @@ def shift_rows(
     cotangents: VarMap,
     n: int,
     unit_shapes: dict[int, tuple[int, ...]],
+    labels: dict | None,
 ) -> dict[int, Array]:
     """Per parameter number, the `(N·K, *unit shape)` per-example rows of a
     scale-and-shift layer's uses (`main_pass_rows_possible`), from the main pass:
@@ -306,7 +319,7 @@ def shift_rows(
     rows: dict[int, Array] = {}
     for uses in by_stack.values():
         first = uses[0]
-        layout = _layout(first, n)
+        layout = _layout(first, n, labels)
         assert layout is not None
         length = first.outputs.stacked.aval.shape[0] if at_steps(first) else 0
         shared = len({r.param_indices for r in uses}) == 1

@@ -6,6 +6,7 @@ minor versions. It exists so that tests and benchmarks need no private module
 """
 
 from ._cli import main as main  # the `eqfisher` console script, with its argv
+from ._example_axes import MIXED as MIXED, jaxpr_labels as jaxpr_labels
 from ._layers import LayerRecord as LayerRecord, detect as detect
 from ._patches import conv_patches as conv_patches
 from ._statistics import (

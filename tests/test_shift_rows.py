@@ -223,20 +223,52 @@ def _scans(fn, *args) -> int:
     return count(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
-def test_shift_rows_need_no_backward_pass_per_example():
-    # The GRU's statistics: the forward, the gradient's and the vectors' pullbacks,
-    # and the forward per example that checks the examples do not interact. The
-    # per-example pass would add a forward and a backward scan per example.
+def test_shift_rows_need_no_pass_per_example():
+    # The GRU's statistics have the scans they have without its shift: its
+    # examples provably do not interact (`eqfisher/_example_axes.py`), so no
+    # forward per example checks them, and the per-example pass, which would add
+    # a forward and a backward scan, is not run. (The jaxpr holds 4 scans: the
+    # forward, two pullbacks and a forward of the loss coefficients whose result
+    # is unused, which XLA removes.)
     loss_fn, model, batch, _, _ = _gru()
-    vgc = ef.value_grad_and_curvature(
-        loss_fn, estimator=ef.FisherMC(), structure=ef.KFAC()
-    )
-    with_shift = _scans(lambda m, b: vgc(m, b, key=jr.key(0)), model, batch)
-    without = ef.value_grad_and_curvature(
-        loss_fn,
-        estimator=ef.FisherMC(),
-        structure=ef.KFAC(),
-        where=~ef.filters.by_path("*bias_n*"),
-    )
-    plain = _scans(lambda m, b: without(m, b, key=jr.key(0)), model, batch)
-    assert with_shift == plain + 1, (with_shift, plain)
+    with_shift, plain = _scan_counts(loss_fn, model, batch)
+    assert with_shift == plain == 4, (with_shift, plain)
+
+
+def _scan_counts(loss_fn, model, batch) -> tuple[int, int]:
+    def scans(**kwargs):
+        vgc = ef.value_grad_and_curvature(
+            loss_fn, estimator=ef.FisherMC(), structure=ef.KFAC(), **kwargs
+        )
+        return _scans(lambda m, b: vgc(m, b, key=jr.key(0)), model, batch)
+
+    return scans(), scans(where=~ef.filters.by_path("*bias_n*"))
+
+
+class TopKGRU(GRU):
+    """A GRU whose step also reads `lax.top_k`, which the example-axis analysis
+    has no rule for: it cannot prove the examples independent."""
+
+    def __call__(self, xs):
+        def step(h, x):
+            h = self.cell(x, h)
+            return h + 0.0 * jax.lax.top_k(h, 1)[0], None
+
+        h, _ = jax.lax.scan(step, jnp.zeros(3, F64), xs)
+        return self.head(h)
+
+
+def test_unproven_independence_is_checked_by_a_forward_per_example():
+    loss_fn, model, batch, _, _ = _gru()
+    model = TopKGRU.__new__(TopKGRU)
+    base = _perturbed(_f64(GRU(jr.key(0))), jr.key(1))
+    for name in ("cell", "head"):
+        object.__setattr__(model, name, getattr(base, name))
+    x, y = batch
+    with_shift, plain = _scan_counts(loss_fn, model, batch)
+    assert with_shift == plain + 1, (with_shift, plain)  # the check's forward
+    ref = dense_ggn(lambda m: jax.vmap(m)(x), _ce(y), model)
+    curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+    idx = _leaf_numbers(model, GRU_SHIFT)
+    flat = np.asarray(ravel_pytree(curv.diagonal())[0])
+    np.testing.assert_allclose(flat[idx], np.diag(ref)[idx], rtol=1e-10, atol=1e-14)
