@@ -296,15 +296,37 @@ def _every_step(program: Program, graph: Graph, cands, verdict: Verdict) -> Dete
     program (`graph`): a candidate in a scan body gives one record per step, a
     symbolic unit's reason holds for each step's unit."""
     numbering = _numbering(program, graph.leaf_paths)
+    numbers = _step_numbers(program, graph)
+    body_of = {id(n): scan for scan in scan_nodes(program) for n in scan.body}
+    records = []
+    for cand in _kept(cands, verdict, graph):
+        scan = body_of.get(id(cand.core))
+        if scan is None:
+            indices = tuple(numbers.moved[i] for i in cand.indices)
+            records.append(_record(cand, numbering, indices))
+        else:
+            records += _scan_records(cand, scan, numbering, numbers)
+    records = _in_order(records, numbering)
+    unmatched = _step_unmatched(program, graph, verdict, records, numbering, numbers)
+    return Detection(records, unmatched)
+
+
+class _StepNumbers(NamedTuple):
+    """How the symbolic program's parameter numbers map to the real program's:
+    `per_step[k][t]` for a symbolic unit `k` at step `t`, `moved[k]` otherwise."""
+
+    per_step: dict[int, dict[int, int]]
+    moved: dict[int, int]
+
+    def at(self, k: int, step: int) -> int:
+        return self.per_step[k][step] if k in self.per_step else self.moved[k]
+
+
+def _step_numbers(program: Program, graph: Graph) -> _StepNumbers:
     number = {id(u): graph.num_leaves + j for j, u in enumerate(program.units)}
-    # Symbolic number -> the real numbers per step; other numbers stay.
     per_step: dict[int, dict[int, int]] = {}
     moved: dict[int, int] = {i: i for i in range(graph.num_leaves)}
     scans = scan_nodes(program)
-    owner: dict[int, ScanNode] = {}
-    for scan in scans:
-        for u in scan.units:
-            owner[id(u)] = scan
     for j, u in enumerate(graph.program.units):
         k = graph.num_leaves + j
         scan = next((sc for sc in scans if any(s is u for s in sc.symbolic)), None)
@@ -314,39 +336,49 @@ def _every_step(program: Program, graph: Graph, cands, verdict: Verdict) -> Dete
         per_step[k] = {
             r.index[0]: number[id(r)] for r in scan.units if r.leaf == u.leaf
         }
-    body_of = {id(n): scan for scan in scans for n in scan.body}
-    records = []
-    for cand in _kept(cands, verdict, graph):
-        scan = body_of.get(id(cand.core))
-        if scan is None:
-            records.append(
-                _record(cand, numbering, tuple(moved[i] for i in cand.indices))
-            )
-            continue
-        inside = scan.body_vars()
+    return _StepNumbers(per_step, moved)
 
-        def at(var, step, scan=scan, inside=inside):
-            return scan.step_var(var, step) if id(var) in inside else var
 
-        first = None
-        for step in scan.steps:
-            indices = tuple(
-                per_step[i][step] if i in per_step else moved[i] for i in cand.indices
-            )
-            record = _record(
+def _scan_records(
+    cand: Candidate, scan: ScanNode, numbering: _Numbering, numbers: _StepNumbers
+) -> list[LayerRecord]:
+    """A scan body's candidate's record at each step; the steps after the first
+    copy what does not change (`_record(..., like=...)`)."""
+    inside = scan.body_vars()
+
+    def at(var, step):
+        return scan.step_var(var, step) if id(var) in inside else var
+
+    records: list[LayerRecord] = []
+    for step in scan.steps:
+        indices = tuple(numbers.at(i, step) for i in cand.indices)
+        like = records[0] if records else None
+        records.append(
+            _record(
                 cand,
                 numbering,
                 indices,
                 at(cand.activation, step),
                 at(cand.outputs, step),
-                like=first,
+                like=like,
             )
-            first = first or record
-            records.append(record)
-    records = _in_order(records, numbering)
+        )
+    return records
+
+
+def _step_unmatched(
+    program: Program,
+    graph: Graph,
+    verdict: Verdict,
+    records: Sequence[LayerRecord],
+    numbering: _Numbering,
+    numbers: _StepNumbers,
+) -> tuple[tuple[str, str], ...]:
+    """The parameters in no record, with the reason of their symbolic number (at
+    their step)."""
     used = {i for r in records for i in r.param_indices}
-    back = {v: k for k, v in moved.items()}
-    for k, steps in per_step.items():
+    back = {v: k for k, v in numbers.moved.items()}
+    for k, steps in numbers.per_step.items():
         back.update({v: k for v in steps.values()})
     split = program.stacked()
     srcvars = sources(program, graph.num_leaves)
@@ -356,11 +388,11 @@ def _every_step(program: Program, graph: Graph, cands, verdict: Verdict) -> Dete
             continue
         k = back[i]
         reason = _reason(k, verdict, graph)
-        if k in per_step:
+        if k in numbers.per_step:
             step = numbering.orders[i][1][0]
             reason = reason.replace(f"[{SYMBOLIC}]", f"[{step}]")
         unmatched.append((numbering.paths[i], reason))
-    return Detection(records, tuple(unmatched))
+    return tuple(unmatched)
 
 
 def layer_name(paths: Sequence[str]) -> str:

@@ -27,7 +27,7 @@ from ._example_axes import MIXED, label_of
 from ._examples import leaf_axes
 from ._layers import LayerRecord
 from ._program import PVar, VarMap
-from ._statistics import at_steps
+from ._statistics import at_steps, scan_uses
 from ._tracing import ProcessedTrace, Split, Traced, split
 from .losses import loss_tag_p
 
@@ -310,14 +310,8 @@ def shift_rows(
     `inputs` are `layer_outputs_vjp`'s layer inputs, `cotangents` the output
     cotangents of the stacked vectors. Uses of one parameter add up; the uses at
     every step of a kept scan are summed at once from the scan's stacked values."""
-    by_stack: dict[tuple[int, int], list[LayerRecord]] = {}
-    for r in records:
-        key = (
-            (id(r.inputs.stacked), id(r.outputs.stacked)) if at_steps(r) else (id(r), 0)
-        )
-        by_stack.setdefault(key, []).append(r)
     rows: dict[int, Array] = {}
-    for uses in by_stack.values():
+    for uses in scan_uses(records):
         first = uses[0]
         layout = _layout(first, n, labels)
         assert layout is not None

@@ -244,55 +244,27 @@ def pooled_factors(
     at every step of a kept scan are computed at once, from the scan's stacked
     values, so the work does not grow with the number of steps.
     """
-    batches: dict[tuple[int, int], list[LayerRecord]] = {}
-    for r in records:
-        x, y = r.inputs, r.outputs
-        key = (id(x.stacked), id(y.stacked)) if at_steps(r) else (id(r), 0)
-        batches.setdefault(key, []).append(r)
+    args = (with_bias, dtype, reduce_examples, max_factor_dim)
     parts = []
-    for batch in batches.values():
-        first = batch[0]
-        if _every_step(batch) and first.kind in _POOLED:
-            parts.append(
-                _steps_factors(
-                    first,
-                    inputs.values[first.inputs.stacked],  # pyright: ignore
-                    cotangents[first.outputs.stacked],  # pyright: ignore
-                    with_bias,
-                    dtype,
-                    reduce_examples,
-                    max_factor_dim,
-                )
-            )
+    for uses in scan_uses(records):
+        first = uses[0]
+        if _every_step(uses) and first.kind in _POOLED:
+            x = inputs.values[first.inputs.stacked]  # pyright: ignore
+            g = cotangents[first.outputs.stacked]  # pyright: ignore
+            parts.append(_steps_factors(first, x, g, *args))
             continue
-        for r in batch:
+        for r in uses:
             if steps_cache is not None and at_steps(r):
-                key = (
-                    id(r.inputs.stacked),  # pyright: ignore
-                    id(r.outputs.stacked),  # pyright: ignore
-                    with_bias,
-                    reduce_examples,
-                    max_factor_dim,
+                parts.append(
+                    _cached_step_factors(r, inputs, cotangents, args, steps_cache)
                 )
-                if key not in steps_cache:
-                    steps_cache[key] = all_steps_factors(
-                        r,
-                        inputs.values[r.inputs.stacked],  # pyright: ignore
-                        cotangents[r.outputs.stacked],  # pyright: ignore
-                        with_bias,
-                        dtype,
-                        reduce_examples,
-                        max_factor_dim,
-                    )
-                a_all, g_all, n = steps_cache[key]
-                step = r.outputs.step  # pyright: ignore
-                parts.append((a_all[step], g_all[step], n))
                 continue
+            x, g = inputs[inputs.layers.index(r)], cotangents[r.outputs]
             parts.append(
                 kronecker_factors(
                     r,
-                    inputs[inputs.layers.index(r)],
-                    cotangents[r.outputs],
+                    x,
+                    g,
                     with_bias,
                     dtype,
                     reduce_examples=reduce_examples,
@@ -303,6 +275,29 @@ def pooled_factors(
     a = sum(a_u * (n / total) for a_u, _, n in parts)
     g = sum(g_u for _, g_u, _ in parts)
     return a, g  # pyright: ignore
+
+
+def scan_uses(records: Sequence[LayerRecord]) -> list[list[LayerRecord]]:
+    """`records` grouped by the stacked input and output they read (the uses at the
+    steps of one kept scan together); a record outside kept scans alone."""
+    uses: dict[tuple[int, int], list[LayerRecord]] = {}
+    for r in records:
+        x, y = r.inputs, r.outputs
+        key = (id(x.stacked), id(y.stacked)) if at_steps(r) else (id(r), 0)
+        uses.setdefault(key, []).append(r)
+    return list(uses.values())
+
+
+def _cached_step_factors(r, inputs, cotangents, args, steps_cache: dict):
+    """One step's factors of a layer in a kept scan, from every step's, computed
+    once per curvature (`all_steps_factors`) and kept in `steps_cache`."""
+    key = (id(r.inputs.stacked), id(r.outputs.stacked), *args[:1], *args[2:])
+    if key not in steps_cache:
+        x = inputs.values[r.inputs.stacked]
+        g = cotangents[r.outputs.stacked]
+        steps_cache[key] = all_steps_factors(r, x, g, *args)
+    a_all, g_all, n = steps_cache[key]
+    return a_all[r.outputs.step], g_all[r.outputs.step], n
 
 
 # The kinds whose input moments read a stacked input with the step axis as one
