@@ -14,6 +14,7 @@ import jax.random as jr
 import numpy as np
 import pytest
 from helpers import block_slices, dense_ggn, tree_allclose
+from zoo import GRUClassifier
 
 import eqfisher as ef
 
@@ -61,16 +62,6 @@ def _batchnorm(mode):
     return loss_fn, model, (x, t), ref
 
 
-class _RNN(eqx.Module):
-    cell: eqx.nn.GRUCell
-    head: eqx.nn.Linear
-
-    def __init__(self, key):
-        k1, k2 = jr.split(key)
-        self.cell = eqx.nn.GRUCell(2, 3, key=k1)
-        self.head = eqx.nn.Linear(3, 4, key=k2)
-
-
 def _rnn_logits(m, x):
     # Time-major: x is (T, N, F); the scan runs over time, vmap over examples.
     def step(h, xt):
@@ -82,7 +73,7 @@ def _rnn_logits(m, x):
 
 
 def _time_major():
-    model = _f64(_RNN(jr.key(3)))
+    model = _f64(GRUClassifier(jr.key(3)))
     x = jr.normal(jr.key(4), (4, 3, 2), jnp.float64)  # (T, N, F)
     y = jr.randint(jr.key(5), (4, 3), 0, 4)  # (T, N)
 

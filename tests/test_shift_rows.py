@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from helpers import block_slices, dense_empirical_fisher, dense_ggn
 from jax.flatten_util import ravel_pytree
+from zoo import GRUClassifier
 
 import eqfisher as ef
 
@@ -49,22 +50,8 @@ def _perturbed(model, key):
 # --- a GRU over T steps: `bias_n` is a shift used at every step -----------------
 
 
-class GRU(eqx.Module):
-    cell: eqx.nn.GRUCell
-    head: eqx.nn.Linear
-
-    def __init__(self, key):
-        k1, k2 = jr.split(key)
-        self.cell = eqx.nn.GRUCell(2, 3, key=k1)
-        self.head = eqx.nn.Linear(3, 4, key=k2)
-
-    def __call__(self, xs):  # (T, F) -> (4,)
-        h, _ = jax.lax.scan(lambda h, x: (self.cell(x, h), None), jnp.zeros(3, F64), xs)
-        return self.head(h)
-
-
 def _gru(t=6, n=5):
-    model = _perturbed(_f64(GRU(jr.key(0))), jr.key(1))
+    model = _perturbed(_f64(GRUClassifier(jr.key(0))), jr.key(1))
     x = jr.normal(jr.key(2), (n, t, 2), F64)
     y = jr.randint(jr.key(3), (n,), 0, 4)
 
@@ -245,7 +232,7 @@ def _scan_counts(loss_fn, model, batch) -> tuple[int, int]:
     return scans(), scans(where=~ef.filters.by_path("*bias_n*"))
 
 
-class TopKGRU(GRU):
+class TopKGRU(GRUClassifier):
     """A GRU whose step also reads `lax.top_k`, which the example-axis analysis
     has no rule for: it cannot prove the examples independent."""
 
@@ -260,10 +247,7 @@ class TopKGRU(GRU):
 
 def test_unproven_independence_is_checked_by_a_forward_per_example():
     loss_fn, model, batch, _, _ = _gru()
-    model = TopKGRU.__new__(TopKGRU)
-    base = _perturbed(_f64(GRU(jr.key(0))), jr.key(1))
-    for name in ("cell", "head"):
-        object.__setattr__(model, name, getattr(base, name))
+    model = _perturbed(_f64(TopKGRU(jr.key(0))), jr.key(1))
     x, y = batch
     with_shift, plain = _scan_counts(loss_fn, model, batch)
     assert with_shift == plain + 1, (with_shift, plain)  # the check's forward

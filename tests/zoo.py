@@ -502,6 +502,25 @@ CUSTOM_DERIVATIVES = ZooEntry(
 # --- 13. Tied weights ------------------------------------------------------------
 
 
+class GRUClassifier(eqx.Module):
+    """A GRU cell (2 inputs, 3 units) and a linear head (4 classes); applied to one
+    `(T, 2)` sequence it scans the cell and classifies the last state. Tests that
+    batch time-major sequences use `cell` and `head` directly."""
+
+    cell: eqx.nn.GRUCell
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jr.split(key)
+        self.cell = eqx.nn.GRUCell(2, 3, key=k1)
+        self.head = eqx.nn.Linear(3, 4, key=k2)
+
+    def __call__(self, xs):
+        h0 = jnp.zeros(3, xs.dtype)
+        h, _ = jax.lax.scan(lambda h, x: (self.cell(x, h), None), h0, xs)
+        return self.head(h)
+
+
 class Tied(eqx.Module):
     embed: eqx.nn.Linear
     hidden: eqx.nn.Linear
