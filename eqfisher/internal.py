@@ -21,11 +21,3 @@ from ._tracing import (
     split as split,
     trace as trace,
 )
-from .optim._state import (
-    CURVATURE_UPDATE_PERIOD as CURVATURE_UPDATE_PERIOD,
-    DAMPING as DAMPING,
-    INVERSE_EVERY as INVERSE_EVERY,
-    MOMENTUM as MOMENTUM,
-    NORM_CONSTRAINT as NORM_CONSTRAINT,
-    PI_DAMPING as PI_DAMPING,
-)

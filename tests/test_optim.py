@@ -662,17 +662,15 @@ def test_amortised_kfac_step_equals_the_hand_written_loop(make):
 
 def test_signatures_show_the_measured_defaults():
     # The public signatures write the defaults out (the API reference shows them);
-    # they must be the values eqfisher/optim/_state.py records as chosen by
-    # benchmarks/kfac_grid.py (exposed for tests by eqfisher.internal).
-    from eqfisher import internal
-
+    # they must be the measured defaults eqfisher.optim exports (chosen by
+    # benchmarks/kfac_grid.py).
     chosen = {
-        "damping": internal.DAMPING,
-        "momentum": internal.MOMENTUM,
-        "inverse_every": internal.INVERSE_EVERY,
-        "norm_constraint": internal.NORM_CONSTRAINT,
-        "damping_variant": internal.PI_DAMPING,
-        "curvature_update_period": internal.CURVATURE_UPDATE_PERIOD,
+        "damping": optim.DAMPING,
+        "momentum": optim.MOMENTUM,
+        "inverse_every": optim.INVERSE_EVERY,
+        "norm_constraint": optim.NORM_CONSTRAINT,
+        "damping_variant": optim.PI_DAMPING,
+        "curvature_update_period": optim.CURVATURE_UPDATE_PERIOD,
     }
     seen = 0
     for fn in (ef.optim.kfac, ef.optim.kfac_preconditioner, ef.optim.kfac_step):
