@@ -219,6 +219,12 @@ class EmpiricalFisher(AbstractEstimator):
     The per-example gradients are taken at the data targets. Not the Fisher: it uses
     the data's labels, not targets drawn from the model.
 
+    With the objective written as $\sum_n w_n \ell_n$, $\ell_n$ is example $n$'s
+    whole loss: for a loss with positions (a sequence's $T$ tokens) averaged over
+    all $N T$ entries, $\ell_n$ sums its $T$ entries and $w_n = 1/(N T)$, so the
+    matrix is $T$ times $\frac{1}{N} \sum_n \nabla L_n \nabla L_n^\top$ for the
+    per-example mean losses $L_n = \ell_n / T$.
+
     !!! Example
 
         ```python
