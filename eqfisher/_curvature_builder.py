@@ -155,7 +155,7 @@ class Builder(eqx.Module):
             vjp,
             grouping,
             needs,
-            (shifts, n_examples, labels, inputs, point_ct),
+            (shifts, n_examples, labels, s, inputs, point_ct),
         )
         blocks, steps_cache = {}, {}
         for g, n in zip(grouping, needs):
@@ -249,9 +249,10 @@ class Builder(eqx.Module):
         self, model, batch, processed, losses, per_loss, vjp, grouping, needs, main
     ):
         """Per parameter number, the exact per-example vectors `(m, *shape)`, for the
-        groups that need them: from the main pass where `main` (groups, layer
-        inputs, output cotangents) allows, else from a pass per example."""
-        shifts, n_examples, labels, inputs, point_ct = main
+        groups that need them: from the main pass where `main` (groups, number of
+        examples, labels, split, layer inputs, output cotangents) allows, else
+        from a pass per example."""
+        shifts, n_examples, labels, s, inputs, point_ct = main
         parts = sorted(
             {i for g, n in zip(grouping, needs) if n.examples for i in g.leaves}
         )
@@ -286,7 +287,6 @@ class Builder(eqx.Module):
             else:
                 mismatch = examples_mismatch(one, full_inputs)
         if shifts:
-            s = split(model, batch)
             shapes = {i: processed.take(s.params, i).shape for i in shifted}
             records = [r for g in shifts for r in g.records]
             rows |= shift_rows(records, inputs, point_ct, n_examples, shapes, labels)

@@ -212,12 +212,10 @@ def examples_mismatch(one: OneExample, full_inputs: Sequence[Array]) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """Where a scale-and-shift layer's examples are: its input and output transposed
-    to (locations..., features...) share `shape`; `example` is the location axis of
-    the batch's size (None for a batch of one: all locations are its)."""
+    """Where a scale-and-shift layer's examples are: `example` is the position of
+    the example axis among its input's and output's axes transposed to
+    (locations..., features...), or None for a batch of one (every location)."""
 
-    shape: tuple[int, ...]
-    locations: int
     example: int | None
 
 
@@ -246,13 +244,13 @@ def _layout(record: LayerRecord, n: int, labels: dict | None) -> _Layout | None:
             return None
         at = record.in_order.index(ex)
         aligned = at == record.out_order.index(ey) and at < locations
-        return _Layout(shape, locations, at) if aligned else None
+        return _Layout(at) if aligned else None
     if n == 1:
-        return _Layout(shape, locations, None)
+        return _Layout(None)
     at_n = [i for i in range(locations) if shape[i] == n]
     if len(at_n) != 1:
         return None
-    return _Layout(shape, locations, at_n[0])
+    return _Layout(at_n[0])
 
 
 def main_pass_rows_possible(
