@@ -1,5 +1,6 @@
 """The one-call K-FAC training step, with amortised statistics."""
 
+import functools
 from collections.abc import Callable
 
 import equinox as eqx
@@ -121,30 +122,54 @@ def kfac_step(
 
     @eqx.filter_jit
     def step(model, opt_state, batch, key=None):
-        params = eqx.filter(model, eqx.is_inexact_array)
         period = curvature_update_period
         if _shares_forward(loss_fn, model, batch, period, curvature_batch_size):
-
-            def statistics():
-                loss, grads, curv = vgc(model, batch, key=key)
-                return loss, *optimiser.update(grads, opt_state, params, curvature=curv)
-
-            def plain():
-                loss, grads = value_and_grad(model, batch)
-                return loss, *optimiser.update(grads, opt_state, params)
-
-            loss, updates, opt_state = _every(period, opt_state, statistics, plain)
+            update = _shared_forward_update
         else:
-            loss, grads = value_and_grad(model, batch)
-            sub = _leading(batch, curvature_batch_size)
-            updates, opt_state = _every(
-                period,
-                opt_state,
-                lambda: optimiser.update(
-                    grads, opt_state, params, curvature=vgc(model, sub, key=key)[2]
-                ),
-                lambda: optimiser.update(grads, opt_state, params),
+            update = functools.partial(
+                _separate_update, batch_size=curvature_batch_size
             )
+        loss, updates, opt_state = update(
+            vgc, value_and_grad, optimiser, period, model, opt_state, batch, key
+        )
         return eqx.apply_updates(model, updates), opt_state, loss
 
     return step
+
+
+def _shared_forward_update(
+    vgc, value_and_grad, optimiser, period, model, opt_state, batch, key
+):
+    """`(loss, updates, state)`: a statistics step takes its loss and gradient from
+    the statistics pass (one forward); the other steps from `value_and_grad`."""
+    params = eqx.filter(model, eqx.is_inexact_array)
+
+    def statistics():
+        loss, grads, curv = vgc(model, batch, key=key)
+        return loss, *optimiser.update(grads, opt_state, params, curvature=curv)
+
+    def plain():
+        loss, grads = value_and_grad(model, batch)
+        return loss, *optimiser.update(grads, opt_state, params)
+
+    return _every(period, opt_state, statistics, plain)
+
+
+def _separate_update(
+    vgc, value_and_grad, optimiser, period, model, opt_state, batch, key, *, batch_size
+):
+    """`(loss, updates, state)` with the gradient computed outside the choice of
+    step (for convolutions on CPU, or statistics from a sub-batch): the statistics
+    steps add the statistics pass on the first `batch_size` examples."""
+    params = eqx.filter(model, eqx.is_inexact_array)
+    loss, grads = value_and_grad(model, batch)
+    sub = _leading(batch, batch_size)
+    updates, opt_state = _every(
+        period,
+        opt_state,
+        lambda: optimiser.update(
+            grads, opt_state, params, curvature=vgc(model, sub, key=key)[2]
+        ),
+        lambda: optimiser.update(grads, opt_state, params),
+    )
+    return loss, updates, opt_state
