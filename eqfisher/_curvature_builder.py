@@ -192,8 +192,7 @@ class Builder(eqx.Module):
     def _statistics(self, g, n, processed, s, pulled, rows, batch_size) -> Statistics:
         """One group's `Statistics`: Kronecker factors from the layers' inputs and
         output cotangents `pulled`, per-example vectors from `rows`, as it needs."""
-        values = tuple(processed.take(s.params, i) for i in g.leaves)
-        dtype = stats.stat_dtype(values[0].dtype)
+        dtype = stats.stat_dtype(processed.unit_shape(s.params, g.leaves[0])[1])
         a = gg = None
         if n.kronecker:
             reduce = _reduce_examples(self.structure, n, g, batch_size, self.caller)
@@ -287,7 +286,7 @@ class Builder(eqx.Module):
             else:
                 mismatch = examples_mismatch(one, full_inputs)
         if shifts:
-            shapes = {i: processed.take(s.params, i).shape for i in shifted}
+            shapes = {i: processed.unit_shape(s.params, i)[0] for i in shifted}
             records = [r for g in shifts for r in g.records]
             rows |= shift_rows(records, inputs, point_ct, n_examples, shapes, labels)
         if mismatch is None:  # proven at trace time (`_example_axes`)

@@ -15,6 +15,7 @@ per-example pass makes.
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -27,7 +28,7 @@ from ._example_axes import MIXED, label_of
 from ._examples import leaf_axes
 from ._layers import LayerRecord
 from ._program import PVar, VarMap
-from ._statistics import at_steps, scan_uses
+from ._statistics import at_steps, every_step, scan_uses
 from ._tracing import ProcessedTrace, Split, Traced, split
 from .losses import loss_tag_p
 
@@ -324,6 +325,16 @@ def shift_rows(
                 steps=True,
             )
             _add(rows, first.param_indices, parts)
+            continue
+        if every_step(uses):
+            # A stacked layer (its own parameters at each step): every step's rows
+            # at once, then each step's taken by its parameters.
+            one_step = functools.partial(_use_rows, first, layout, steps=False)
+            per_step = jax.vmap(one_step, in_axes=(0, 1))(
+                inputs.values[first.inputs.stacked], cotangents[first.outputs.stacked]
+            )
+            for r in uses:
+                _add(rows, r.param_indices, [p[r.outputs.step] for p in per_step])
             continue
         for r in uses:
             parts = _use_rows(

@@ -248,7 +248,7 @@ def pooled_factors(
     parts = []
     for uses in scan_uses(records):
         first = uses[0]
-        if _every_step(uses) and first.kind in _POOLED:
+        if every_step(uses) and first.kind in _POOLED:
             x = inputs.values[first.inputs.stacked]  # pyright: ignore
             g = cotangents[first.outputs.stacked]  # pyright: ignore
             parts.append(_steps_factors(first, x, g, *args))
@@ -271,6 +271,8 @@ def pooled_factors(
                     max_factor_dim=max_factor_dim,
                 )
             )
+    if len(parts) == 1:
+        return parts[0][:2]
     total = sum(n for _, _, n in parts)
     a = sum(a_u * (n / total) for a_u, _, n in parts)
     g = sum(g_u for _, g_u, _ in parts)
@@ -310,7 +312,7 @@ def at_steps(record: LayerRecord) -> bool:
     return isinstance(record.inputs, StepVar) and isinstance(record.outputs, StepVar)
 
 
-def _every_step(batch: Sequence[LayerRecord]) -> bool:
+def every_step(batch: Sequence[LayerRecord]) -> bool:
     """Whether `batch` are the uses at every step of one scan (more than one)."""
     if len(batch) < 2 or not at_steps(batch[0]):
         return False

@@ -71,6 +71,13 @@ class ProcessedTrace:
         leaf, index = self.units[i]
         return leaves[leaf][index] if index else leaves[leaf]
 
+    def unit_shape(self, leaves: Sequence[Any], i: int) -> tuple[tuple[int, ...], Any]:
+        """`(shape, dtype)` of parameter `i` of a list of leaves, without taking
+        it (no slice in the traced program)."""
+        leaf, index = self.units[i]
+        x = leaves[leaf]
+        return tuple(x.shape[len(index) :]), x.dtype
+
     def run(
         self,
         inputs,
