@@ -9,6 +9,9 @@ static, one compilation each. No timing here: seconds per step are measured by
 
     python benchmarks/kfac_grid.py                      # the grid (all five problems)
     python benchmarks/kfac_grid.py --problems cnn --max-steps 60
+    python benchmarks/kfac_grid.py --problems digits-std --max-steps 60 --static 4,5 \
+        --dampings 1e-3 --constraints 1e-2 2e-2 3e-2 5e-2 --momenta 0 \
+        --decays 0.5 0.8 0.95
 """
 
 import argparse
@@ -42,13 +45,14 @@ def trajectories(name, period, inverse_every, configs, max_steps, seed):
     vgc = ef.value_grad_and_curvature(loss_fn, estimator=estimator, structure=structure)
     like = ef.optim.curvature_like(vgc, model, (x[indices[0]], y[indices[0]]), key=key)
 
-    def run(lr, damping, constraint, momentum):
+    def run(lr, damping, constraint, momentum, decay):
         opt = ef.optim.kfac(
             lr,
             like=like,
             damping=damping,
             norm_constraint=constraint,
             momentum=momentum,
+            decay=decay,
             inverse_every=inverse_every,
         )
         step = ef.optim.kfac_step(
@@ -101,6 +105,17 @@ def main():
         action="store_true",
         help="damping 1e-3, norm constraint 1e-3/1e-2, momentum 0, periods 1, 2, 4",
     )
+    parser.add_argument("--dampings", type=float, nargs="*")
+    parser.add_argument("--constraints", type=float, nargs="*")
+    parser.add_argument("--momenta", type=float, nargs="*")
+    parser.add_argument(
+        "--decays", type=float, nargs="*", default=[0.95], help="curvature EMA decay"
+    )
+    parser.add_argument(
+        "--static",
+        nargs="*",
+        help="curvature_update_period,inverse_every pairs, e.g. 4,5 1,5",
+    )
     args = parser.parse_args()
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}"
@@ -110,7 +125,13 @@ def main():
         if args.small
         else (DAMPINGS, CONSTRAINTS, MOMENTA)
     )
+    grid = tuple(
+        given or default
+        for given, default in zip((args.dampings, args.constraints, args.momenta), grid)
+    ) + (tuple(args.decays),)
     static = ((1, 5), (2, 5), (4, 5)) if args.small else STATIC
+    if args.static:
+        static = tuple(tuple(int(v) for v in pair.split(",")) for pair in args.static)
     configs = list(itertools.product(KFAC_LRS, *grid))
     # (period, inverse_every, damping, constraint, momentum) -> per problem
     table: dict = {}
@@ -126,20 +147,20 @@ def main():
                 cell.append((lr, reached, nonfinite))
             print(f"  done {name} period={period} inverse_every={every}", flush=True)
     print(
-        "\n| period | inverse_every | damping | norm_constraint | momentum | "
+        "\n| period | inverse_every | damping | norm_constraint | momentum | decay | "
         "non-finite | best steps (lr) per problem |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for key, per_problem in table.items():
         nonfinite = sum(nf for rows in per_problem.values() for _, _, nf in rows)
         cells = []
         for name in args.problems:
             ok = [(r, lr) for lr, r, _ in per_problem[name] if r is not None]
             cells.append(f"{min(ok)[0]} ({min(ok)[1]:g})" if ok else "-")
-        period, every, damping, constraint, momentum = key
+        period, every, damping, constraint, momentum, decay = key
         print(
             f"| {period} | {every} | {damping:g} | {constraint:g} | {momentum:g} | "
-            f"{nonfinite} | " + ", ".join(cells) + " |"
+            f"{decay:g} | {nonfinite} | " + ", ".join(cells) + " |"
         )
 
 

@@ -14,8 +14,14 @@ The "before" numbers of issue 14 (statistics through `lax.scan`):
   `eqx.filter_value_and_grad` of the same loss, jitted.
 
 "first" is the first call (tracing, compilation and one run), "steady" the median
-of later calls. Both are wall-clock seconds, with the process's CPU seconds
-alongside ("cpu"), which are what a busy machine distorts least.
+of later calls. `--rounds R` then times compilation and steady state in R rounds
+that run the three functions one after another, and reports the median of the
+rounds' ratios: on a shared machine, whose speed drifts by tens of percent within
+a minute, this is the comparison that holds still. Both are wall-clock seconds,
+with the process's CPU seconds alongside ("cpu"), which are what a busy machine
+distorts least. The first call of the first function also pays the process's
+one-time start of JAX (about 0.3 s here), which favours the ratios of "first";
+the interleaved compile times do not include it.
 
 `--memory` runs a GPT with a 32,000-token vocabulary, d = 256 (4 blocks, T = 32,
 batch 8): `ef.memory_estimate` (from shapes) with and without
@@ -28,6 +34,7 @@ its own process so that the peak is its own:
 """
 
 import argparse
+import functools
 import os
 import platform
 import resource
@@ -135,42 +142,90 @@ gru_loss = gpt_loss  # softmax cross-entropy of vmap(model)(x) against y
 # --- timing ---------------------------------------------------------------------
 
 
-def _timed(fn, *args, repeats=5, **kwargs):
-    """`(first wall, first cpu, steady wall, steady cpu)` in seconds."""
+def _timed(fn, repeats=5):
+    """`(first wall, first cpu, steady wall, steady cpu)` in seconds of `fn()`."""
     w, c = time.perf_counter(), time.process_time()
-    jax.block_until_ready(fn(*args, **kwargs))
+    jax.block_until_ready(fn())
     first = time.perf_counter() - w, time.process_time() - c
     walls, cpus = [], []
     for _ in range(repeats):
         w, c = time.perf_counter(), time.process_time()
-        jax.block_until_ready(fn(*args, **kwargs))
+        jax.block_until_ready(fn())
         walls.append(time.perf_counter() - w)
         cpus.append(time.process_time() - c)
     return (*first, statistics.median(walls), statistics.median(cpus))
 
 
-def compare(name, loss_fn, model, batch):
-    grad = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
-    base = _timed(grad, model, batch)
-    print(
-        f"{name:<14} value_and_grad     first {base[0]:7.2f} s (cpu {base[1]:6.2f})"
-        f"  steady {1e3 * base[2]:8.2f} ms (cpu {1e3 * base[3]:8.2f})",
-        flush=True,
-    )
+def _functions(loss_fn):
+    """The jitted reference and the K-FAC statistics, by name."""
+    fns = {"value_and_grad": eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))}
     for sharing in ("reduce", "expand"):
-        vgc = eqx.filter_jit(
+        fns[sharing] = eqx.filter_jit(
             ef.value_grad_and_curvature(
                 loss_fn,
                 estimator=ef.FisherMC(),
                 structure=ef.KFAC(weight_sharing=sharing),
             )
         )
-        t = _timed(vgc, model, batch, key=jax.random.key(0))
-        print(
-            f"{name:<14} K-FAC {sharing:<7}      first {t[0]:7.2f} s (cpu {t[1]:6.2f})"
+    return fns
+
+
+def _call(name, fn, model, batch):
+    if name == "value_and_grad":
+        return fn(model, batch)
+    return fn(model, batch, key=jax.random.key(0))
+
+
+def compare(name, loss_fn, model, batch):
+    fns = _functions(loss_fn)
+    base = None
+    for label, fn in fns.items():
+        t = _timed(functools.partial(_call, label, fn, model, batch))
+        line = (
+            f"{name:<14} {label:<18} first {t[0]:7.2f} s (cpu {t[1]:6.2f})"
             f"  steady {1e3 * t[2]:8.2f} ms (cpu {1e3 * t[3]:8.2f})"
-            f"   ratios: first {t[0] / base[0]:5.2f}x (cpu {t[1] / base[1]:5.2f}x),"
-            f" steady {t[2] / base[2]:5.2f}x (cpu {t[3] / base[3]:5.2f}x)",
+        )
+        if base is None:
+            base = t
+        else:
+            line += (
+                f"   ratios: first {t[0] / base[0]:5.2f}x (cpu {t[1] / base[1]:5.2f}x),"
+                f" steady {t[2] / base[2]:5.2f}x (cpu {t[3] / base[3]:5.2f}x)"
+            )
+        print(line, flush=True)
+
+
+def interleaved(name, loss_fn, model, batch, rounds):
+    """Compile and steady-state ratios from `rounds` rounds that time the three
+    functions one after another, so that a slow spell of a shared machine falls
+    on all three: compile is a fresh trace, lowering and XLA compilation (caches
+    cleared); steady the median of 9 calls. Reported: the median over rounds of
+    each round's ratio to `value_and_grad`."""
+    ratios = {"reduce": ([], []), "expand": ([], [])}
+    for _ in range(rounds):
+        times = {}
+        for label, fn in _functions(loss_fn).items():
+            jax.clear_caches()
+            w = time.perf_counter()
+            if label == "value_and_grad":
+                compiled = fn.lower(model, batch).compile()
+            else:
+                compiled = fn.lower(model, batch, key=jax.random.key(0)).compile()
+            compile_s = time.perf_counter() - w
+            steady = _timed(
+                functools.partial(_call, label, compiled, model, batch), repeats=9
+            )
+            times[label] = (compile_s, steady[2])
+        for label, (compile_s, steady_s) in ratios.items():
+            compile_s.append(times[label][0] / times["value_and_grad"][0])
+            steady_s.append(times[label][1] / times["value_and_grad"][1])
+    for label, (compile_r, steady_r) in ratios.items():
+        print(
+            f"{name:<14} K-FAC {label:<7} over {rounds} interleaved rounds: compile "
+            f"{statistics.median(compile_r):5.2f}x "
+            f"(rounds {', '.join(f'{r:.2f}' for r in compile_r)}), steady "
+            f"{statistics.median(steady_r):5.2f}x "
+            f"(rounds {', '.join(f'{r:.2f}' for r in steady_r)})",
             flush=True,
         )
 
@@ -229,6 +284,12 @@ def main():
     parser.add_argument("--memory", action="store_true", help="the 32k-vocab run")
     parser.add_argument("--gpt", type=int, nargs="*", default=[4, 12])
     parser.add_argument("--gru", type=int, nargs="*", default=[32, 100, 200])
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="then this many interleaved compile/steady rounds per model",
+    )
     args = parser.parse_args()
     print(
         f"jax {jax.__version__}, eqfisher {ef.__version__}, {_cpu()}, "
@@ -240,10 +301,12 @@ def main():
     if args.memory:
         memory()
         return
-    for n in args.gpt:
-        compare(f"GPT N={n}", gpt_loss, *gpt_problem(n))
-    for t in args.gru:
-        compare(f"GRU T={t}", gru_loss, *gru_problem(t))
+    problems = [(f"GPT N={n}", gpt_loss, *gpt_problem(n)) for n in args.gpt]
+    problems += [(f"GRU T={t}", gru_loss, *gru_problem(t)) for t in args.gru]
+    for problem in problems:
+        compare(*problem)
+        if args.rounds:
+            interleaved(*problem, args.rounds)
 
 
 if __name__ == "__main__":

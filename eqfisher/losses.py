@@ -130,7 +130,12 @@ class Categorical(AbstractLossFamily):
         return -jnp.sum(targets * log_p, axis=-1)
 
     def sample(self, key, inputs):
-        return jax.random.categorical(key, inputs, axis=-1)
+        # By the inverse CDF: one uniform per example against the cumulative
+        # softmax, 5-7x faster than `jax.random.categorical`'s Gumbel noise over
+        # every class (a 512- to 50k-class vocabulary; benchmarks/RESULTS.md).
+        c = jnp.cumsum(jax.nn.softmax(inputs, axis=-1), axis=-1)
+        u = jax.random.uniform(key, c.shape[:-1] + (1,), c.dtype) * c[..., -1:]
+        return jnp.minimum(jnp.sum(c <= u, axis=-1), inputs.shape[-1] - 1)
 
     def output_gradient(self, inputs, targets):
         # softmax(z)·Σt − t, in closed form: cheaper than differentiating the gather.
