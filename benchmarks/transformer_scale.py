@@ -19,9 +19,9 @@ that run the three functions one after another, and reports the median of the
 rounds' ratios: on a shared machine, whose speed drifts by tens of percent within
 a minute, this is the comparison that holds still. Both are wall-clock seconds,
 with the process's CPU seconds alongside ("cpu"), which are what a busy machine
-distorts least. The first call of the first function also pays the process's
-one-time start of JAX (about 0.3 s here), which favours the ratios of "first";
-the interleaved compile times do not include it.
+distorts least. "first" and the interleaved compile ratio can differ by 15%
+(the first call also traces and runs once, and happens once); the interleaved
+ratio is the one repeated.
 
 `--memory` runs a GPT with a 32,000-token vocabulary, d = 256 (4 blocks, T = 32,
 batch 8): `ef.memory_estimate` (from shapes) with and without
