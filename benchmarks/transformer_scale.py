@@ -14,14 +14,12 @@ The "before" numbers of issue 14 (statistics through `lax.scan`):
   `eqx.filter_value_and_grad` of the same loss, jitted.
 
 "first" is the first call (tracing, compilation and one run), "steady" the median
-of later calls. `--rounds R` then times compilation and steady state in R rounds
-that run the three functions one after another, and reports the median of the
-rounds' ratios: on a shared machine, whose speed drifts by tens of percent within
-a minute, this is the comparison that holds still. Both are wall-clock seconds,
-with the process's CPU seconds alongside ("cpu"), which are what a busy machine
-distorts least. "first" and the interleaved compile ratio can differ by 15%
-(the first call also traces and runs once, and happens once); the interleaved
-ratio is the one repeated.
+of later calls. `--rounds R` then repeats both in R rounds that run the three
+functions one after another (fresh functions, JAX's caches cleared), and reports
+the median of the rounds' ratios: on a shared machine, whose speed drifts by tens
+of percent within a minute, this is the comparison that holds still. Both are
+wall-clock seconds, with the process's CPU seconds alongside ("cpu"), which are
+what a busy machine distorts least.
 
 `--memory` runs a GPT with a 32,000-token vocabulary, d = 256 (4 blocks, T = 32,
 batch 8): `ef.memory_estimate` (from shapes) with and without
@@ -196,34 +194,27 @@ def compare(name, loss_fn, model, batch):
 
 
 def interleaved(name, loss_fn, model, batch, rounds):
-    """Compile and steady-state ratios from `rounds` rounds that time the three
-    functions one after another, so that a slow spell of a shared machine falls
-    on all three: compile is a fresh trace, lowering and XLA compilation (caches
-    cleared); steady the median of 9 calls. Reported: the median over rounds of
-    each round's ratio to `value_and_grad`."""
+    """First-call and steady-state ratios from `rounds` rounds that time the three
+    functions one after another, so that a slow spell of a shared machine falls on
+    all three: each round builds the functions afresh and clears JAX's caches, so
+    that the first call traces and compiles again; steady is the median of 9 later
+    calls. Reported: the median over rounds of each round's ratio to
+    `value_and_grad`."""
     ratios = {"reduce": ([], []), "expand": ([], [])}
     for _ in range(rounds):
         times = {}
         for label, fn in _functions(loss_fn).items():
             jax.clear_caches()
-            w = time.perf_counter()
-            if label == "value_and_grad":
-                compiled = fn.lower(model, batch).compile()
-            else:
-                compiled = fn.lower(model, batch, key=jax.random.key(0)).compile()
-            compile_s = time.perf_counter() - w
-            steady = _timed(
-                functools.partial(_call, label, compiled, model, batch), repeats=9
-            )
-            times[label] = (compile_s, steady[2])
-        for label, (compile_s, steady_s) in ratios.items():
-            compile_s.append(times[label][0] / times["value_and_grad"][0])
-            steady_s.append(times[label][1] / times["value_and_grad"][1])
-    for label, (compile_r, steady_r) in ratios.items():
+            t = _timed(functools.partial(_call, label, fn, model, batch), repeats=9)
+            times[label] = (t[0], t[2])
+        for label, (first_r, steady_r) in ratios.items():
+            first_r.append(times[label][0] / times["value_and_grad"][0])
+            steady_r.append(times[label][1] / times["value_and_grad"][1])
+    for label, (first_r, steady_r) in ratios.items():
         print(
-            f"{name:<14} K-FAC {label:<7} over {rounds} interleaved rounds: compile "
-            f"{statistics.median(compile_r):5.2f}x "
-            f"(rounds {', '.join(f'{r:.2f}' for r in compile_r)}), steady "
+            f"{name:<14} K-FAC {label:<7} over {rounds} interleaved rounds: first "
+            f"{statistics.median(first_r):5.2f}x "
+            f"(rounds {', '.join(f'{r:.2f}' for r in first_r)}), steady "
             f"{statistics.median(steady_r):5.2f}x "
             f"(rounds {', '.join(f'{r:.2f}' for r in steady_r)})",
             flush=True,
