@@ -207,6 +207,21 @@ def test_sample(name, family, mean_fn, var_fn):
     ef.register_loss(family, z, one)
 
 
+def test_categorical_sample_masked_classes_and_float32():
+    # A class of probability zero (logit -inf) is never drawn, and float32 logits
+    # over a large vocabulary give ids in range (the inverse CDF's last bin).
+    z = jnp.array([[0.0, -jnp.inf, 1.0, -jnp.inf]], F64)
+    keys = jr.split(jr.key(3), 4000)
+    draws = jax.vmap(lambda k: Categorical().sample(k, z))(keys)
+    assert set(np.unique(draws).tolist()) == {0, 2}
+    frequency = float(jnp.mean(draws == 2))
+    p = float(jax.nn.softmax(z)[0, 2])
+    assert abs(frequency - p) < 5 * np.sqrt(p * (1 - p) / 4000)
+    big = jr.normal(jr.key(4), (64, 50_000), jnp.float32) * 4
+    ids = Categorical().sample(jr.key(5), big)
+    assert ids.shape == (64,) and int(ids.min()) >= 0 and int(ids.max()) < 50_000
+
+
 def test_registered_loss_weights():
     z, y = _logits(), _int_labels()
     mask = jnp.array([1.0, 0.0, 2.0, 1.0, 0.0, 1.0], F64)
