@@ -126,7 +126,9 @@ def warm(step, state, params, indices, keys):
     return time.perf_counter() - t0
 
 
-def eqfisher_runs(model, x, y, indices, keys, max_steps):
+def eqfisher_runs(model, x, y, indices, keys, max_steps, periods=None):
+    """eqfisher's runs: at its defaults, learning rate swept, or (with `periods`,
+    `(curvature_update_period, inverse_every)` pairs) also over those."""
     params, static = eqx.partition(model, eqx.is_inexact_array)
     estimator, structure = ef.FisherMC(samples=1), ef.KFAC()
     vgc = ef.value_grad_and_curvature(
@@ -135,10 +137,16 @@ def eqfisher_runs(model, x, y, indices, keys, max_steps):
     like = ef.optim.curvature_like(vgc, model, (x[:BATCH], y[:BATCH]), key=keys[0])
     full_loss = eqx.filter_jit(lambda p: eqfisher_loss(eqx.combine(p, static), (x, y)))
     rows = []
-    for lr in EQFISHER_LRS:
-        opt = ef.optim.kfac(lr, like=like)
+    for lr, period in itertools.product(EQFISHER_LRS, periods or [None]):
+        opt = ef.optim.kfac(
+            lr, like=like, **({} if period is None else dict(inverse_every=period[1]))
+        )
         one = ef.optim.kfac_step(
-            eqfisher_loss, opt, estimator=estimator, structure=structure
+            eqfisher_loss,
+            opt,
+            estimator=estimator,
+            structure=structure,
+            **({} if period is None else dict(curvature_update_period=period[0])),
         )
 
         @eqx.filter_jit
@@ -151,8 +159,13 @@ def eqfisher_runs(model, x, y, indices, keys, max_steps):
         reached, secs, nonfinite = run(
             step, state0, params, full_loss, indices, keys, max_steps
         )
-        rows.append((f"lr={lr:g}", reached, secs, nonfinite, compile_s))
-        print(f"  eqfisher lr={lr:<6g} {reached} steps {secs:.3f} s", flush=True)
+        label = f"lr={lr:g}" + (
+            ""
+            if period is None
+            else f" curvature_update_period={period[0]} inverse_every={period[1]}"
+        )
+        rows.append((label, reached, secs, nonfinite, compile_s))
+        print(f"  eqfisher {label} {reached} steps {secs:.3f} s", flush=True)
     return rows
 
 
@@ -227,7 +240,18 @@ def main():
     parser.add_argument("--max-steps", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kfac-jax-grid", choices=("full", "best"), default="full")
+    parser.add_argument(
+        "--eqfisher-periods",
+        nargs="*",
+        help="tune eqfisher too: curvature_update_period,inverse_every pairs, "
+        "e.g. 4,5 5,5 5,10 (default: eqfisher at its defaults)",
+    )
     args = parser.parse_args()
+    periods = (
+        [tuple(int(v) for v in p.split(",")) for p in args.eqfisher_periods]
+        if args.eqfisher_periods
+        else None
+    )
     grid = FULL_GRID if args.kfac_jax_grid == "full" else BEST_GRID
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}, "
@@ -243,12 +267,13 @@ def main():
         np.stack([rng.choice(x.shape[0], BATCH, replace=False) for _ in range(steps)])
     )
     keys = jax.random.split(jax.random.key(args.seed + 1), steps)
-    ours = eqfisher_runs(model, x, y, indices, keys, args.max_steps)
+    ours = eqfisher_runs(model, x, y, indices, keys, args.max_steps, periods)
     theirs = kfac_jax_runs(model, x, y, indices, keys, args.max_steps, grid)
     o, t = best(ours), best(theirs)
     print("\n| library | best run | steps | seconds | non-finite runs | compile s |")
     print("|---|---|---|---|---|---|")
-    for label, rows, b in (("eqfisher (defaults)", ours, o), ("kfac_jax", theirs, t)):
+    name = "eqfisher (defaults)" if periods is None else "eqfisher (tuned)"
+    for label, rows, b in ((name, ours, o), ("kfac_jax", theirs, t)):
         nonfinite = sum(r[3] for r in rows)
         compile_s = max(r[4] for r in rows)
         cells = "never | - | -" if b is None else f"{b[0]} | {b[1]} | {b[2]:.3f}"
