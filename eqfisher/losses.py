@@ -133,7 +133,10 @@ class Categorical(AbstractLossFamily):
         # By the inverse CDF: one uniform per example against the cumulative
         # softmax, 5-7x faster than `jax.random.categorical`'s Gumbel noise over
         # every class (a 512- to 50k-class vocabulary; benchmarks/RESULTS.md).
-        c = jnp.cumsum(jax.nn.softmax(inputs, axis=-1), axis=-1)
+        # At least float32: half-precision cumulative sums hold 2-3 digits.
+        wide = jnp.finfo(inputs.dtype).bits >= 32
+        z = inputs if wide else inputs.astype(jnp.float32)
+        c = jnp.cumsum(jax.nn.softmax(z, axis=-1), axis=-1)
         u = jax.random.uniform(key, c.shape[:-1] + (1,), c.dtype) * c[..., -1:]
         return jnp.minimum(jnp.sum(c <= u, axis=-1), inputs.shape[-1] - 1)
 

@@ -220,6 +220,11 @@ def test_categorical_sample_masked_classes_and_float32():
     big = jr.normal(jr.key(4), (64, 50_000), jnp.float32) * 4
     ids = Categorical().sample(jr.key(5), big)
     assert ids.shape == (64,) and int(ids.min()) >= 0 and int(ids.max()) < 50_000
+    # bfloat16 logits (4,096 equal classes): the upper half is drawn half the time.
+    flat = jnp.zeros((1, 4096), jnp.bfloat16)
+    keys = jr.split(jr.key(6), 2000)
+    late = jax.vmap(lambda k: Categorical().sample(k, flat))(keys) >= 2048
+    assert abs(float(jnp.mean(late)) - 0.5) < 5 * np.sqrt(0.25 / 2000)
 
 
 def test_registered_loss_weights():
