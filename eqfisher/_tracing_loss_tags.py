@@ -103,10 +103,14 @@ def loss_tags_hvp(loss_fn: Callable) -> Callable:
         fn = _params_fn(traced.trace(s, layers=False), s)
 
         def total(p):
-            return sum(loss.value() for loss in fn(p)[1])
+            losses = fn(p)[1]
+            return sum(loss.value() for loss in losses), losses
 
+        # The losses come out of the same forward as the product (no second run).
         t_leaves = jax.tree_util.tree_leaves(params_tangent)
-        _, hvp = jax.jvp(jax.grad(total), (s.params,), (t_leaves,))
-        return _unflatten(s, hvp), fn(s.params)[1]
+        (_, losses), (hvp, _) = jax.jvp(
+            jax.grad(total, has_aux=True), (s.params,), (t_leaves,)
+        )
+        return _unflatten(s, hvp), losses
 
     return transformed
