@@ -4,6 +4,7 @@ group's statistics and assembles the blocks into a `Curvature`."""
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from . import _statistics as stats, filters
@@ -133,7 +134,7 @@ class Builder(eqx.Module):
         records = [r for g, n in zip(grouping, needs) if n.kronecker for r in g.records]
         records += [r for g in shifts for r in g.records]
         outputs, vjp, (losses, inputs), grad_vjp = stats.layer_outputs_vjp(
-            processed, s, records, full=full
+            processed, s, records, full=full, per_example=_summed(grouping, needs)
         )
         per_loss = loss_vectors(self.estimator, losses, key)
         vectors = stacked_vectors(per_loss)
@@ -143,7 +144,7 @@ class Builder(eqx.Module):
             # batching them would also compute K unused weight gradients, which
             # XLA cannot remove from a batched product.
             (grads,) = grad_vjp(cotangent_fn(outputs[0]))
-        _, point_ct = jax.vmap(vjp)(vectors)
+        _, point_ct = _pull_each(vjp, vectors)
         if not all(self.estimator.example_vectors(v) is v for v in per_loss):
             shifts = []  # an example's vectors are not its part of the batch's
         rows = self._rows(
@@ -157,18 +158,29 @@ class Builder(eqx.Module):
             needs,
             (shifts, n_examples, labels, s, inputs, point_ct),
         )
-        blocks, steps_cache = {}, {}
-        for g, n in zip(grouping, needs):
-            statistics = self._statistics(
-                g,
-                n,
+        steps_cache = {}
+
+        def statistics(j):
+            return self._statistics(
+                grouping[j],
+                needs[j],
                 processed,
                 s,
                 (inputs, point_ct, steps_cache),
                 rows,
                 losses[0].inputs.shape[0],
             )
-            blocks[g.name] = self._block(g, statistics)
+
+        blocks = {}
+        runs = (
+            _step_runs(grouping, needs, processed) if self.structure.steps_alike else []
+        )
+        for run in runs:
+            blocks |= self._run_blocks([grouping[j] for j in run], map(statistics, run))
+        done = {j for run in runs for j in run}
+        for j, g in enumerate(grouping):
+            if j not in done:
+                blocks[g.name] = self._block(g, statistics(j))
         params = eqx.filter(model, eqx.is_inexact_array)
         curv = _assemble(params, blocks, grouping, processed, selected)
         return curv, outputs, grads, s
@@ -216,6 +228,16 @@ class Builder(eqx.Module):
             g.records[0].weight_perm if n.kronecker else None,
             tuple(rows[i].astype(dtype) for i in g.leaves) if n.examples else None,
         )
+
+    def _run_blocks(self, groups, statistics) -> dict[str, AbstractBlock]:
+        """The blocks of the steps of one stacked layer (`_step_runs`), built at once
+        by `jax.vmap` over the steps' statistics (`AbstractStructure.steps_alike`)."""
+        stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *statistics)
+        block = jax.vmap(lambda st: self._block(groups[0], st))(stacked)
+        return {
+            g.name: jax.tree_util.tree_map(lambda x, k=k: x[k], block)
+            for k, g in enumerate(groups)
+        }
 
     def _block(self, g, statistics: Statistics) -> AbstractBlock:
         block = self.structure.block(g, statistics)
@@ -293,6 +315,53 @@ class Builder(eqx.Module):
             return rows
         message = f"`{self.caller}`: {INTERACTION}"
         return {i: eqx.error_if(x, mismatch, message) for i, x in rows.items()}
+
+
+def _step_runs(grouping, needs, processed) -> list[list[int]]:
+    """The groups that are the steps 0, 1, ... of one stacked layer, as positions in
+    `grouping`: each group on step k's slices of the same leaves, all with the same
+    needs and operand shapes."""
+    by_leaves: dict[tuple[int, ...], dict[int, int]] = {}
+    for j, g in enumerate(grouping):
+        units = [processed.units[i] for i in g.leaves]
+        index = {idx for _, idx in units}
+        if len(index) == 1 and len(next(iter(index))) == 1:
+            step = next(iter(index))[0]
+            by_leaves.setdefault(tuple(leaf for leaf, _ in units), {})[step] = j
+    runs = []
+    for steps in by_leaves.values():
+        if len(steps) < 2 or sorted(steps) != list(range(len(steps))):
+            continue
+        run = [steps[k] for k in range(len(steps))]
+        first = run[0]
+        if all(
+            needs[j] == needs[first] and grouping[j].shapes == grouping[first].shapes
+            for j in run
+        ):
+            runs.append(run)
+    return runs
+
+
+def _pull_each(vjp, vectors):
+    """`jax.vmap(vjp)(vectors)`. One vector (`FisherMC()`'s one sample) is pulled
+    back unbatched and given its axis after: XLA:CPU compiles the backward's
+    reductions with a unit batch axis far slower (the GPT benchmark's attention
+    softmax backward: 153 µs against 16 µs a step)."""
+    if jax.tree_util.tree_leaves(vectors)[0].shape[0] != 1:
+        return jax.vmap(vjp)(vectors)
+    pulled = vjp(jax.tree_util.tree_map(lambda v: v[0], vectors))
+    return jax.tree_util.tree_map(lambda v: v[None], pulled)
+
+
+def _summed(grouping, needs) -> list:
+    """The records whose Kronecker factors need only each example's sums of
+    output cotangents and mean input rows ("reduce" weight sharing)."""
+    return [
+        r
+        for g, n in zip(grouping, needs)
+        if n.kronecker and n.weight_sharing == "reduce"
+        for r in g.records
+    ]
 
 
 def _unit_rows(processed, parts, by_leaf) -> dict:

@@ -29,6 +29,10 @@ class Curvature(lx.AbstractLinearOperator):
 
     - `blocks`: a dict from block name (the layer's model path, or a parameter path
       for a leaf in no layer; `"all"` for `Dense()`) to an `eqfisher.blocks` block.
+      A property: the blocks of a layer stacked with `eqx.filter_vmap` and applied
+      by `lax.scan` (one per step) are stored as one block whose arrays have a
+      leading step axis (`stored`, `runs`), so that a jitted function returning the
+      curvature outputs one array per stacked factor, not one per step.
     - `leaf_indices`: static; `(name, positions)` pairs: for each block, the
       positions of its leaves among the operand's leaves.
     - `structure`: static; the operand as a PyTree of `jax.ShapeDtypeStruct`.
@@ -36,6 +40,9 @@ class Curvature(lx.AbstractLinearOperator):
       its positions, the index into that leaf's leading axes (`()`: the whole
       leaf). A stacked leaf read by a `lax.scan` has one block per step, each on
       its slice `leaf[k]`. `None` when every block covers whole leaves.
+    - `stored`: the blocks as stored: a stacked layer's steps as one block under
+      its first step's name, its arrays with a leading step axis.
+    - `runs`: static; the names of the steps of each stacked layer in `stored`.
 
     !!! Example
 
@@ -61,12 +68,50 @@ class Curvature(lx.AbstractLinearOperator):
         ```
     """
 
-    blocks: dict[str, AbstractBlock]
+    stored: dict[str, AbstractBlock]
     leaf_indices: tuple[tuple[str, tuple[int, ...]], ...] = eqx.field(static=True)
     structure: PyTree = eqx.field(static=True)
     leaf_slices: tuple[tuple[tuple[int, ...], ...], ...] | None = eqx.field(
         static=True, default=None
     )
+    runs: tuple[tuple[str, ...], ...] = eqx.field(static=True, default=())
+
+    def __init__(
+        self,
+        blocks: dict[str, AbstractBlock],
+        leaf_indices: tuple[tuple[str, tuple[int, ...]], ...],
+        structure: PyTree,
+        leaf_slices: tuple[tuple[tuple[int, ...], ...], ...] | None = None,
+    ):
+        """**Arguments:** `blocks`, `leaf_indices`, `structure` and `leaf_slices` as
+        described above. The blocks of the steps of a stacked layer (one per step,
+        on the slices `leaf[0]`, `leaf[1]`, ... of the same leaves, all of one type
+        and shape) are stored as one block whose arrays have a leading step axis:
+        `blocks` gives them back one by one."""
+        self.leaf_indices = leaf_indices
+        self.structure = structure
+        self.leaf_slices = leaf_slices
+        self.runs = _runs(blocks, leaf_indices, leaf_slices)
+        in_runs = {name for run in self.runs for name in run[1:]}
+        stored = {n: b for n, b in blocks.items() if n not in in_runs}
+        for run in self.runs:
+            stored[run[0]] = jax.tree_util.tree_map(
+                lambda *xs: _stack(xs), *(blocks[n] for n in run)
+            )
+        self.stored = stored
+
+    @property
+    def blocks(self) -> dict[str, AbstractBlock]:
+        """A dict from block name to block (see above), in the order of
+        `leaf_indices`."""
+        out = dict(self.stored)
+        for run in self.runs:
+            stacked = out.pop(run[0])
+            for step, name in enumerate(run):
+                out[name] = jax.tree_util.tree_map(
+                    lambda x, step=step: _take(x, step), stacked
+                )
+        return {name: out[name] for name, _ in self.leaf_indices}
 
     def _parts(self):
         """`(name, positions, slices)` for each block."""
@@ -91,9 +136,9 @@ class Curvature(lx.AbstractLinearOperator):
     def _map(self, vector: PyTree, fn: Callable, method: str) -> PyTree:
         leaves, treedef = self._leaves(vector, method)
         out = list(leaves)
-        # Blocks are found by name: a dict passing through `jit` comes back sorted.
+        blocks = self.blocks
         for name, idx, sl in self._parts():
-            block = self.blocks[name]
+            block = blocks[name]
             parts = tuple(leaves[i][k] if k else leaves[i] for i, k in zip(idx, sl))
             for i, k, x in zip(idx, sl, fn(block, parts)):
                 out[i] = out[i].at[k].set(x) if k else x
@@ -191,8 +236,9 @@ class Curvature(lx.AbstractLinearOperator):
             )
         out = jnp.zeros((offsets[-1], offsets[-1]), dtype)
         shapes = [s.shape for s in jax.tree_util.tree_leaves(self.structure)]
+        blocks = self.blocks
         for name, idx, sl in self._parts():
-            block = self.blocks[name]
+            block = blocks[name]
             pos = np.concatenate(
                 [
                     offsets[i] + np.arange(sizes[i]).reshape(shapes[i])[k].ravel()
@@ -273,8 +319,19 @@ class Curvature(lx.AbstractLinearOperator):
         """
         if other.blocks.keys() != self.blocks.keys():
             raise ValueError("`Curvature.ema(other, decay)`: `other` has other blocks.")
-        new = {k: b.ema(other.blocks[k], decay) for k, b in self.blocks.items()}
-        return Curvature(new, self.leaf_indices, self.structure, self.leaf_slices)
+        if other.runs != self.runs:
+            blocks = other.blocks
+            new = {k: b.ema(blocks[k], decay) for k, b in self.blocks.items()}
+            return Curvature(new, self.leaf_indices, self.structure, self.leaf_slices)
+        # A stacked layer's blocks are averaged at once, step by step (`vmap`).
+        stacked = {run[0] for run in self.runs}
+        stored = {
+            k: jax.vmap(lambda x, y: x.ema(y, decay))(b, other.stored[k])
+            if k in stacked
+            else b.ema(other.stored[k], decay)
+            for k, b in self.stored.items()
+        }
+        return eqx.tree_at(lambda c: c.stored, self, stored)
 
     def transpose(self) -> "Curvature":
         """The curvature itself: every curvature is symmetric."""
@@ -287,6 +344,43 @@ class Curvature(lx.AbstractLinearOperator):
     def out_structure(self) -> PyTree:
         """As `in_structure`: the operator is square."""
         return self.structure
+
+
+def _signature(block: AbstractBlock) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(block)
+    return treedef, tuple((tuple(x.shape), x.dtype) for x in leaves)
+
+
+def _runs(blocks, leaf_indices, leaf_slices) -> tuple[tuple[str, ...], ...]:
+    """The names of the blocks that are steps 0, 1, ... of one stacked layer: the
+    same leaves, each block on one step's slice of them, all of one tree structure
+    and shape."""
+    if leaf_slices is None:
+        return ()
+    steps: dict[tuple[int, ...], dict[int, str]] = {}
+    for (name, idx), sl in zip(leaf_indices, leaf_slices):
+        if sl and all(len(k) == 1 for k in sl) and len(set(sl)) == 1:
+            steps.setdefault(idx, {})[sl[0][0]] = name
+    runs = []
+    for by_step in steps.values():
+        if len(by_step) < 2 or sorted(by_step) != list(range(len(by_step))):
+            continue
+        run = tuple(by_step[k] for k in range(len(by_step)))
+        if len({_signature(blocks[n]) for n in run}) == 1:
+            runs.append(run)
+    return tuple(runs)
+
+
+def _stack(xs: tuple) -> Any:
+    if isinstance(xs[0], jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
+    return jnp.stack(xs)
+
+
+def _take(x: Any, step: int) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+    return x[step]
 
 
 register_psd_operator(Curvature)

@@ -2,6 +2,7 @@
 (a dense block per layer) and `Diagonal` (the exact diagonal)."""
 
 import math
+from typing import ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -52,6 +53,8 @@ class Dense(AbstractStructure):
 class _AbstractExactPerLayer(AbstractStructure):
     """A block per candidate (per layer, and per leaf in no layer), built from the
     exact per-example vectors; subclasses implement `block`."""
+
+    steps_alike: ClassVar[bool] = True
 
     def groups(self, candidates, model, caller):
         return candidates

@@ -2,6 +2,7 @@
 subclasses `KFAC` and `EKFAC`."""
 
 import abc
+from typing import ClassVar
 
 import equinox as eqx
 
@@ -118,6 +119,7 @@ class KFAC(AbstractKroneckerStructure):
 
     weight_sharing: WeightSharing = eqx.field(static=True, default="expand")
     max_factor_dim: int | None = eqx.field(static=True, default=None)
+    steps_alike: ClassVar[bool] = True
 
     def __check_init__(self):
         m = self.max_factor_dim
@@ -154,6 +156,7 @@ class EKFAC(AbstractKroneckerStructure):
     """
 
     weight_sharing: WeightSharing = eqx.field(static=True, default="expand")
+    steps_alike: ClassVar[bool] = True
 
     def kronecker_needs(self):
         return Needs(kronecker=True, examples=True, weight_sharing=self.weight_sharing)

@@ -333,6 +333,13 @@ def shift_rows(
             per_step = jax.vmap(one_step, in_axes=(0, 1))(
                 inputs.values[first.inputs.stacked], cotangents[first.outputs.stacked]
             )
+            # Shaped as rows before a step is taken: the builder stacks the steps'
+            # rows again (`Builder._run_blocks`), which XLA then reads as the same
+            # array, not a copy of each step.
+            per_step = [
+                p.reshape((length, -1) + unit_shapes[i])
+                for p, i in zip(per_step, first.param_indices)
+            ]
             for r in uses:
                 _add(rows, r.param_indices, [p[r.outputs.step] for p in per_step])
             continue

@@ -21,6 +21,7 @@ from ._program_evaluate import (
     Evaluation as Evaluation,
     VarMap as VarMap,
     evaluate as evaluate,
+    mean_over as mean_over,
     points as points,
 )
 from ._program_flatten import flatten as flatten

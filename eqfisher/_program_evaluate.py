@@ -88,13 +88,20 @@ def evaluate(
     *,
     stop_after_tags: int | None = None,
     reads: Sequence[Atom] = (),
+    read_means: Mapping[int, tuple[int, ...]] | None = None,
 ) -> Evaluation:
     """Runs the program, adding `perturbations` to the variables they name.
+
+    A perturbation may be smaller than its variable, with size-1 axes where the
+    variable's are larger: it is broadcast, and its cotangent is the sum over them.
 
     With `stop_after_tags=k`, stops right after the k-th loss tag (the rest of the
     program only turns tag outputs into the loss value). A `StepVar` can be read
     from the result only when it (or its stacked variable) is among `reads`: the
-    scan then returns its values for every step.
+    scan then returns its values for every step. `read_means` maps a stacked
+    variable's `id` to axes of one step's value that the scan averages over (in at
+    least float32, keeping them as size 1) before returning it: the scan then stores
+    the means, not the values.
     """
     env: dict[int, Any] = {id(v): x for v, x in zip(program.invars, inputs)}
     extra = perturbations.as_dict() if perturbations is not None else {}
@@ -109,7 +116,7 @@ def evaluate(
             ev.tags.append(tuple(values))
             outs = [values[0]]  # the tag is the identity on its inputs
         elif isinstance(node, ScanNode):
-            outs = _run_scan(node, ev, extra, emit)
+            outs = _run_scan(node, ev, extra, emit, read_means or {})
         else:
             outs = node.fn(*args)
         for v, x in zip(node.outs, outs):
@@ -122,8 +129,20 @@ def evaluate(
     return ev
 
 
+def mean_over(x: Any, axes: tuple[int, ...] | None) -> Any:
+    """`x` averaged over `axes` in at least float32, keeping them (None: `x`)."""
+    if axes is None:
+        return x
+    dtype = jnp.float32 if jnp.finfo(x.dtype).bits < 32 else x.dtype
+    return jnp.mean(x.astype(dtype), axis=axes, keepdims=True)
+
+
 def _run_scan(
-    node: ScanNode, ev: Evaluation, extra: Mapping[int, Any], emit: set[int]
+    node: ScanNode,
+    ev: Evaluation,
+    extra: Mapping[int, Any],
+    emit: set[int],
+    means: Mapping[int, tuple[int, ...]],
 ) -> list[Any]:
     """Runs a kept scan: perturbations of body variables go in as `xs`, the body
     variables to read come out as `ys` (into `ev.env`, under their stacked
@@ -149,7 +168,7 @@ def _run_scan(
                 if v is not None:
                     env[id(v)] = y + delta[id(v)] if id(v) in delta else y
         results = [inner.read(a) for a in node.body_outs]
-        reads = [env[id(v)] for v, _ in emitted]
+        reads = [mean_over(env[id(v)], means.get(id(st))) for v, st in emitted]
         return results[:n_carry], (results[n_carry:], reads)
 
     init = [ev.read(a) for a in node.carry]

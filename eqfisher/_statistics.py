@@ -19,7 +19,7 @@ from jaxtyping import Array, Float
 from ._config import current_config
 from ._layers import LayerKind, LayerRecord
 from ._patches import conv_patches
-from ._program import Const, PVar, StepVar, VarMap, points
+from ._program import Const, PVar, StepVar, VarMap, mean_over, points
 from ._tracing import ProcessedTrace, Split
 
 
@@ -449,12 +449,83 @@ class LayerInputs(Sequence):
         return a.value if isinstance(a, Const) else self.values[a]
 
 
+def location_count(shape: Sequence[int], order: Sequence[int], d: int) -> int:
+    """How many of `order`'s leading axes are locations: the fewest trailing axes
+    whose sizes multiply to `d` are the features."""
+    for k in range(1, len(order) + 1):
+        if math.prod(shape[i] for i in order[len(order) - k :]) == d:
+            return len(order) - k
+    return len(order)
+
+
+def _summed_shape(record: LayerRecord) -> tuple[int, ...]:
+    """The shape of a perturbation of the layer's output whose cotangent is each
+    example's sum over its locations: every location axis but the first (the
+    example axis) of size 1; with the step axis first for a use in a kept scan."""
+    shape = record.outputs.aval.shape
+    n = location_count(shape, record.out_order, record.d_out)
+    rest = set(record.out_order[1:n])
+    out = tuple(1 if i in rest else size for i, size in enumerate(shape))
+    if isinstance(record.outputs, StepVar):
+        return (record.outputs.stacked.aval.shape[0], *out)
+    return out
+
+
+def _mean_axes(record: LayerRecord) -> tuple[int, ...] | None:
+    """The axes of a dense layer's input that each example's mean row averages
+    over (every location axis but the first); None for other kinds."""
+    if record.kind != "dense":
+        return None
+    shape = record.inputs.aval.shape
+    n = location_count(shape, record.in_order, record.d_in)
+    return tuple(sorted(record.in_order[1:n]))
+
+
+def _agreed(points_of: dict[int, list]) -> dict[int, object]:
+    """Each point's one wanted value, for the points whose records all agree on one
+    that is not None."""
+    out = {}
+    for key, wanted in points_of.items():
+        if wanted[0] is not None and all(w == wanted[0] for w in wanted):
+            out[key] = wanted[0]
+    return out
+
+
+def _point(atom: PVar) -> PVar:
+    return atom.stacked if isinstance(atom, StepVar) else atom
+
+
+def per_example_taps(
+    layers: Sequence[LayerRecord], per_example: Sequence[LayerRecord]
+) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]]:
+    """`(shapes, means)`: for the output points whose every record is in
+    `per_example` (statistics from each example's sums of output cotangents and
+    mean input rows: K-FAC's "reduce"), the smaller shape to perturb them with
+    (`_summed_shape`; float32 and wider outputs, whose cotangent sums lose
+    nothing); for the dense inputs whose every record is, the axes to average.
+    Keyed by the point's `id`."""
+    ok = {id(r) for r in per_example}
+    shapes: dict[int, list] = {}
+    means: dict[int, list] = {}
+    for r in layers:
+        out = r.outputs.aval.dtype
+        summed = id(r) in ok and stat_dtype(out) == out
+        shapes.setdefault(id(_point(r.outputs)), []).append(
+            _summed_shape(r) if summed else None
+        )
+        if isinstance(r.inputs, PVar):
+            mean = _mean_axes(r) if id(r) in ok else None
+            means.setdefault(id(_point(r.inputs)), []).append(mean)
+    return _agreed(shapes), _agreed(means)  # pyright: ignore
+
+
 def layer_outputs_vjp(
     processed: ProcessedTrace,
     s: Split,
     layers: Sequence[LayerRecord],
     *,
     full: bool,
+    per_example: Sequence[LayerRecord] = (),
 ):
     """One forward with zero perturbations on the layers' outputs, and its VJP.
 
@@ -465,21 +536,42 @@ def layer_outputs_vjp(
     one linearisation of one forward: a forward traced twice is merged by XLA only
     outside loops, and a model applied with `lax.scan` would run twice. Each
     puller gives the other's outputs a zero cotangent.
+
+    The records in `per_example` need only each example's sum of output
+    cotangents and mean input row (`per_example_taps`): their outputs' cotangents
+    come out as those sums (size-1 axes for the other locations) and their inputs
+    as those means, computed inside a kept scan, so that neither is stored for
+    every location of every step.
     """
     coefs = processed.coefficients(s.inputs)
+    shapes, means = per_example_taps(layers, per_example)
     # A scan step's input is read as the scan's stacked `ys` and sliced outside the
     # differentiated forward, so neither grows with the number of steps.
     wanted = points([r.inputs for r in layers if isinstance(r.inputs, PVar)])
+    stacked = {id(r.inputs.stacked) for r in layers if isinstance(r.inputs, StepVar)}
+    in_scan = {k: v for k, v in means.items() if k in stacked}
 
     def forward(p_leaves, perturb):
         ev = processed.run(
-            list(p_leaves) + s.others + s.batch, perturb, full=full, reads=wanted
+            list(p_leaves) + s.others + s.batch,
+            perturb,
+            full=full,
+            reads=wanted,
+            read_means=in_scan,
         )
         tag_inputs = tuple(t[0] for t in ev.tags)
-        aux = (processed.losses(ev, coefs), tuple(ev.read(a) for a in wanted))
+        reads = tuple(
+            ev.read(a) if id(a) in stacked else mean_over(ev.read(a), means.get(id(a)))
+            for a in wanted
+        )
+        aux = (processed.losses(ev, coefs), reads)
         return (ev.outputs if full else None, tag_inputs), aux
 
-    zero = VarMap.zeros(points([r.outputs for r in layers]))
+    perturbed = points([r.outputs for r in layers])
+    zero = VarMap(
+        perturbed,
+        [jnp.zeros(shapes.get(id(v), v.aval.shape), v.aval.dtype) for v in perturbed],
+    )
     (program_outputs, tags), pull, (losses, values) = jax.vjp(
         forward, s.params, zero, has_aux=True
     )

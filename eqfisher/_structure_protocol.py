@@ -5,7 +5,7 @@ built from) and `Statistics` (those statistics, with the blocks they give).
 
 import abc
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 import equinox as eqx
 import jax
@@ -287,7 +287,16 @@ class AbstractStructure(eqx.Module):
             jnp.diag(mine.as_matrix()), jnp.diag(exact.as_matrix()), atol=1e-6
         )
         ```
+
+    A structure whose `needs` and `block` read a group only through its `shapes`
+    and `kronecker` (not its name or parameters) sets the class variable
+    `steps_alike = True`: the blocks of a layer stacked with `eqx.filter_vmap` and
+    applied by `lax.scan` (one per step) are then built at once, by `jax.vmap` over
+    the steps' statistics, which compiles one batched computation instead of one
+    per step. eqfisher's `KFAC`, `EKFAC`, `Diagonal` and `BlockDiagonal` do.
     """
+
+    steps_alike: ClassVar[bool] = False
 
     @abc.abstractmethod
     def groups(

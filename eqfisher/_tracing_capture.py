@@ -3,7 +3,7 @@
 `Traced`, a loss function with a cache of its traces."""
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import equinox as eqx
@@ -85,15 +85,18 @@ class ProcessedTrace:
         *,
         full: bool = False,
         reads: Sequence[Any] = (),
+        read_means: Mapping[int, tuple[int, ...]] | None = None,
     ) -> Evaluation:
         """Runs the program; `reads` are the scan-body variables (`StepVar`s) the
-        caller reads from the result."""
+        caller reads from the result, `read_means` what a scan averages them over
+        (see `evaluate`)."""
         return evaluate(
             self.program,
             inputs,
             perturbations,
             stop_after_tags=None if full else self.num_tags,
             reads=reads,
+            read_means=read_means,
         )
 
     def coefficients(self, inputs: Sequence[Any]) -> tuple[Array, ...]:

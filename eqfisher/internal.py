@@ -12,6 +12,7 @@ from ._patches import conv_patches as conv_patches
 from ._statistics import (
     kronecker_factors as kronecker_factors,
     layer_outputs_vjp as layer_outputs_vjp,
+    per_example_taps as per_example_taps,
     pooled_factors as pooled_factors,
 )
 from ._tracing import (

@@ -148,7 +148,9 @@ class Laplace(eqx.Module):
         # Solves, log-determinants and samples are repeated (per example, output,
         # sample, optimisation step): K-FAC's eigendecompositions are done once.
         prepared = {n: prepare_block(b) for n, b in curvature.blocks.items()}
-        self.curvature = eqx.tree_at(lambda c: c.blocks, curvature, prepared)
+        self.curvature = Curvature(
+            prepared, curvature.leaf_indices, curvature.structure, curvature.leaf_slices
+        )
         self.model = model
         self.loss = jnp.asarray(loss, dtype)
         self.num_data = jnp.asarray(num_data, dtype)

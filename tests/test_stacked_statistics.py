@@ -1,0 +1,362 @@
+"""Statistics of layers stacked with `eqx.filter_vmap` and applied by `lax.scan`.
+
+**Per-example taps.**
+With `KFAC(weight_sharing="reduce")` a layer's factors need only each example's
+sum of output cotangents and mean input row, so the statistics perturb its output
+by a per-example array (size 1 along the other location axes: its cotangent is the
+sum) and a kept scan stores the mean input rows, not every location of every step
+(`_statistics.per_example_taps`). Checked here against the factors' definitions
+(Eschenhagen et al. 2023) computed without eqfisher, on transformer blocks stacked
+with `eqx.filter_vmap` and applied with `lax.scan`, whose LayerNorms read and
+perturb the same activations in full; and in bfloat16, whose cotangent sums stay
+per location.
+
+**Stacked blocks.** A stacked layer's per-step blocks are built at once (`vmap`
+over the steps' statistics, for structures with `steps_alike`) and stored as one
+block with a leading step axis (`Curvature.stored`), given back one step at a time
+by `Curvature.blocks`. Checked: the same blocks as a structure built step by step,
+the moving average, shapes-only curvatures, and one output array per stacked
+factor from a jitted function.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from helpers import dense_ggn
+
+import eqfisher as ef
+from eqfisher.internal import Traced, per_example_taps, split
+
+
+F64 = jnp.float64
+N, T, D0, D, C, STEPS = 3, 4, 2, 4, 3, 2
+PROJECTIONS = ("q", "k", "v", "o", "up", "down")
+
+
+class Block(eqx.Module):
+    norm1: eqx.nn.LayerNorm
+    q: eqx.nn.Linear
+    k: eqx.nn.Linear
+    v: eqx.nn.Linear
+    o: eqx.nn.Linear
+    norm2: eqx.nn.LayerNorm
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, key):
+        keys = jr.split(key, 8)
+        self.norm1 = eqx.nn.LayerNorm(D)
+        self.q, self.k, self.v, self.o = (eqx.nn.Linear(D, D, key=k) for k in keys[:4])
+        self.norm2 = eqx.nn.LayerNorm(D)
+        self.up = eqx.nn.Linear(D, 2 * D, key=keys[4])
+        self.down = eqx.nn.Linear(2 * D, D, key=keys[5])
+
+
+def _block(block, x, perturb=None):
+    """One block on `(T, D)`; `perturb` adds to each projection's output."""
+
+    def proj(name, h):
+        y = jax.vmap(getattr(block, name))(h)
+        return y if perturb is None else y + perturb[name]
+
+    h = jax.vmap(block.norm1)(x)
+    q, k, v = proj("q", h), proj("k", h), proj("v", h)
+    weights = jax.nn.softmax(q @ k.T / jnp.sqrt(D), axis=-1)
+    x = x + proj("o", weights @ v)
+    h = jax.vmap(block.norm2)(x)
+    return x + proj("down", jnp.tanh(proj("up", h)))
+
+
+class Net(eqx.Module):
+    embed: eqx.nn.Linear
+    blocks: Block  # stacked: every leaf has a leading axis of size STEPS
+    head: eqx.nn.Linear
+
+    def __init__(self, key, dtype=F64):
+        k1, k2, k3 = jr.split(key, 3)
+        self.embed = eqx.nn.Linear(D0, D, key=k1, dtype=dtype)
+        blocks = eqx.filter_vmap(Block)(jr.split(k2, STEPS))
+        self.blocks = jax.tree_util.tree_map(
+            lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, blocks
+        )
+        self.head = eqx.nn.Linear(D, C, key=k3, dtype=dtype)
+
+    def __call__(self, x):  # (T, D0) -> (C,)
+        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def step(h, b):
+            return _block(eqx.combine(b, static), h), None
+
+        h, _ = jax.lax.scan(step, jax.vmap(self.embed)(x), dynamic)
+        return self.head(h.mean(0))
+
+
+def _perturbed(model, key):
+    """LayerNorm scales and shifts away from 1 and 0."""
+    leaves, tree = jax.tree_util.tree_flatten(eqx.filter(model, eqx.is_inexact_array))
+    keys = jr.split(key, len(leaves))
+    leaves = [x + 0.3 * jr.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    return eqx.combine(jax.tree_util.tree_unflatten(tree, leaves), model)
+
+
+def _problem(dtype=F64):
+    model = _perturbed(Net(jr.key(0), dtype), jr.key(1))
+    x = jr.normal(jr.key(2), (N, T, D0), dtype)
+    y = jr.randint(jr.key(3), (N,), 0, C)
+    return model, (x, y)
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
+
+
+def _reference_factors(model, x, y):
+    """Each step's projections' "reduce" factors, by their definitions: A the mean
+    over examples of ā ā^T (ā = [mean input row; 1]), G = Σ_k Σ_n ĝ_kn ĝ_kn^T with
+    ĝ_kn the example's sum over its locations of the output cotangents of the GGN's
+    vectors V_k (Σ_k V_k V_k^T = the loss Hessian)."""
+    _, static = eqx.partition(model.blocks, eqx.is_array)
+
+    def net(perturb):
+        inputs = {}
+        h = jax.vmap(jax.vmap(model.embed))(x)
+        for s in range(STEPS):
+            block = jax.tree_util.tree_map(
+                lambda a, s=s: a[s] if eqx.is_array(a) else a, model.blocks
+            )
+            block = eqx.combine(eqx.filter(block, eqx.is_array), static)
+            seen = {}
+
+            def record(name, pre, block=block, seen=seen):
+                seen[name] = pre
+                return jax.vmap(jax.vmap(getattr(block, name)))(pre)
+
+            hn = jax.vmap(jax.vmap(block.norm1))(h)
+            q, k, v = (record(n, hn) + perturb[s][n] for n in ("q", "k", "v"))
+            w = jax.nn.softmax(jnp.einsum("ntd,nsd->nts", q, k) / jnp.sqrt(D), axis=-1)
+            h = h + record("o", jnp.einsum("nts,nsd->ntd", w, v)) + perturb[s]["o"]
+            hn = jax.vmap(jax.vmap(block.norm2))(h)
+            u = jnp.tanh(record("up", hn) + perturb[s]["up"])
+            h = h + record("down", u) + perturb[s]["down"]
+            inputs[s] = seen
+        return jax.vmap(model.head)(h.mean(1)), inputs
+
+    sizes = {"q": D, "k": D, "v": D, "o": D, "up": 2 * D, "down": D}
+    zeros = [{n: jnp.zeros((N, T, sizes[n]), F64) for n in PROJECTIONS}] * STEPS
+    logits, vjp, inputs = jax.vjp(net, zeros, has_aux=True)
+    p = jax.nn.softmax(logits)
+    s = jnp.einsum("ij,nj->nij", jnp.eye(C), jnp.sqrt(p)) - jnp.einsum(
+        "ni,nj->nij", p, jnp.sqrt(p)
+    )
+    vectors = jnp.moveaxis(s, -1, 0) / jnp.sqrt(float(N))  # (k, n, C)
+    (g,) = jax.vmap(vjp)(vectors)
+    factors = {}
+    for step in range(STEPS):
+        for name in PROJECTIONS:
+            a = inputs[step][name].mean(1)  # (n, d_in): each example's mean row
+            a = jnp.concatenate([a, jnp.ones((N, 1), F64)], axis=1)
+            g_hat = g[step][name].sum(2)  # (k, n, d_out)
+            factors[f"blocks.{name}[{step}]"] = (
+                a.T @ a / N,
+                jnp.einsum("kni,knj->ij", g_hat, g_hat),
+            )
+    return factors
+
+
+def test_reduce_factors_of_scanned_blocks_match_their_definitions():
+    model, (x, y) = _problem()
+    curv = ef.curvature(
+        loss_fn,
+        model,
+        (x, y),
+        estimator=ef.GGN(),
+        structure=ef.KFAC(weight_sharing="reduce"),
+    )
+    reference = _reference_factors(model, x, y)
+    for name, (a, g) in reference.items():
+        np.testing.assert_allclose(curv.blocks[name].a, a, atol=1e-12, err_msg=name)
+        np.testing.assert_allclose(curv.blocks[name].g, g, atol=1e-12, err_msg=name)
+
+
+def test_layernorm_diagonals_beside_reduce_taps_are_exact():
+    """The LayerNorms' outputs are the projections' inputs (read as means for
+    them): their own exact diagonals still see every location."""
+    model, batch = _problem()
+    curv = ef.curvature(
+        loss_fn,
+        model,
+        batch,
+        estimator=ef.GGN(),
+        structure=ef.KFAC(weight_sharing="reduce"),
+    )
+    ggn = dense_ggn(lambda m: jax.vmap(m)(batch[0]), _ce(batch[1]), model)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    paths = [
+        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)
+    ]
+    offsets = np.cumsum([0] + [x.size for x in jax.tree_util.tree_leaves(params)])
+    diagonal = np.diag(ggn)
+    checked = 0
+    for i, path in enumerate(paths):
+        if ".norm" not in path:
+            continue
+        leaf = diagonal[offsets[i] : offsets[i + 1]].reshape(STEPS, D)
+        for step in range(STEPS):
+            name = f"blocks{path[len('.blocks') : path.rindex('.')]}[{step}]"
+            field = path[path.rindex(".") + 1 :]
+            block = curv.blocks[name]
+            got = block.diag[0 if field == "weight" else 1]
+            np.testing.assert_allclose(got, leaf[step], atol=1e-12, err_msg=name)
+            checked += 1
+    assert checked == 4 * STEPS
+
+
+def _ce(labels):
+    def loss(out):
+        onehot = jax.nn.one_hot(labels, out.shape[-1], dtype=out.dtype)
+        return -jnp.mean(jnp.sum(onehot * jax.nn.log_softmax(out), axis=-1))
+
+    return loss
+
+
+def _taps(model, batch):
+    traced = Traced(loss_fn, "test")
+    processed = traced.trace(split(model, batch))
+    records = processed.layers
+    # As `curvature` asks with KFAC("reduce"): the LayerNorms' diagonals need
+    # every location.
+    dense = [r for r in records if r.kind == "dense"]
+    return dense, per_example_taps(records, dense)
+
+
+def test_taps_are_per_example_in_float64():
+    """The projections' perturbations have one location per example and their
+    inputs are averaged over the sequence axis inside the scan."""
+    model, batch = _problem()
+    records, (shapes, means) = _taps(model, batch)
+    stacked = [r for r in records if r.name.startswith("blocks.")]
+    assert len(stacked) == len(PROJECTIONS) * STEPS
+    for r in stacked:
+        point = r.outputs.stacked
+        assert shapes[id(point)] == (STEPS, N, 1, point.aval.shape[-1]), r.name
+        assert means[id(r.inputs.stacked)] == (1,), r.name
+
+
+@pytest.mark.parametrize("sharing", ["reduce", "expand"])
+def test_bfloat16_reduce_keeps_per_location_cotangents(sharing):
+    """bfloat16 outputs keep their per-location cotangents (summed in float32
+    afterwards); the factors match float32's to bfloat16 precision."""
+    model, (x, y) = _problem(jnp.bfloat16)
+    _, (shapes, means) = _taps(model, (x, y))
+    assert not shapes and means
+    model32 = jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.float32) if eqx.is_inexact_array(a) else a, model
+    )
+    kwargs = dict(estimator=ef.GGN(), structure=ef.KFAC(weight_sharing=sharing))
+    low = ef.curvature(loss_fn, model, (x, y), **kwargs)
+    high = ef.curvature(loss_fn, model32, (x.astype(jnp.float32), y), **kwargs)
+    for name in ("blocks.up[1]", "blocks.q[0]"):
+        for f in ("a", "g"):
+            got, want = getattr(low.blocks[name], f), getattr(high.blocks[name], f)
+            assert got.dtype == jnp.float32
+            scale = float(jnp.max(jnp.abs(want)))
+            np.testing.assert_allclose(got, want, atol=0.05 * scale, err_msg=name)
+
+
+class StepByStepKFAC(ef.AbstractKroneckerStructure):
+    """K-FAC whose blocks are built one step at a time (`steps_alike` unset)."""
+
+    weight_sharing: str = "reduce"
+
+    def kronecker_needs(self):
+        return ef.Needs(kronecker=True, weight_sharing=self.weight_sharing)
+
+    def kronecker_block(self, group, statistics):
+        return statistics.kronecker()
+
+
+@pytest.mark.parametrize(
+    "structure, by_step",
+    [
+        (ef.KFAC(weight_sharing="reduce"), StepByStepKFAC()),
+        (ef.EKFAC(), None),
+        (ef.Diagonal(), None),
+    ],
+)
+def test_stacked_blocks_equal_blocks_built_step_by_step(structure, by_step):
+    model, batch = _problem()
+    curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=structure)
+    assert type(structure).steps_alike and not StepByStepKFAC.steps_alike
+    # One stored block per stacked layer, its arrays with a leading step axis.
+    assert len(curv.runs) == len(PROJECTIONS) + 2
+    for run in curv.runs:
+        assert run == tuple(f"{run[0][:-3]}[{k}]" for k in range(STEPS))
+        for x in jax.tree_util.tree_leaves(curv.stored[run[0]]):
+            assert x.shape[0] == STEPS
+    assert list(curv.blocks) == [name for name, _ in curv.leaf_indices]
+    reference = ef.curvature(
+        loss_fn, model, batch, estimator=ef.GGN(), structure=by_step or ef.Dense()
+    )
+    if by_step is not None:
+        for name, block in curv.blocks.items():
+            want = reference.blocks[name]
+            assert type(block) is type(want), name
+            for x, y in zip(
+                jax.tree_util.tree_leaves(block), jax.tree_util.tree_leaves(want)
+            ):
+                np.testing.assert_allclose(x, y, atol=1e-13, err_msg=name)
+    else:
+        # Every block against the dense GGN's own block of its parameters.
+        dense = reference.as_matrix()
+        full = curv.as_matrix()
+        mask = np.asarray(full != 0)
+        if isinstance(structure, ef.EKFAC):
+            # EKFAC's blocks are exact in their bases only: compare the diagonal of
+            # each block in the dense GGN with its trace.
+            assert np.allclose(np.trace(full), np.trace(dense), atol=1e-10)
+        else:
+            np.testing.assert_allclose(full[mask], np.asarray(dense)[mask], atol=1e-12)
+
+
+def test_stacked_moving_average_and_shapes():
+    model, batch = _problem()
+    kwargs = dict(estimator=ef.GGN(), structure=ef.KFAC(weight_sharing="reduce"))
+    curv = ef.curvature(loss_fn, model, batch, **kwargs)
+    other = ef.curvature(loss_fn, model, (batch[0] + 1.0, batch[1]), **kwargs)
+    average = curv.ema(other, 0.25)
+    assert average.runs == curv.runs
+    for name, block in average.blocks.items():
+        want = curv.blocks[name].ema(other.blocks[name], 0.25)
+        for x, y in zip(
+            jax.tree_util.tree_leaves(block), jax.tree_util.tree_leaves(want)
+        ):
+            np.testing.assert_allclose(x, y, atol=1e-14, err_msg=name)
+    like = eqx.filter_eval_shape(
+        lambda m: ef.curvature(loss_fn, m, batch, **kwargs), model
+    )
+    for name, block in like.blocks.items():
+        got = [(x.shape, x.dtype) for x in jax.tree_util.tree_leaves(block)]
+        want = [
+            (x.shape, x.dtype) for x in jax.tree_util.tree_leaves(curv.blocks[name])
+        ]
+        assert got == want, name
+
+
+def test_jitted_curvature_outputs_one_array_per_stacked_factor():
+    model, batch = _problem()
+    fn = eqx.filter_jit(
+        ef.value_grad_and_curvature(
+            loss_fn, estimator=ef.GGN(), structure=ef.KFAC(weight_sharing="reduce")
+        )
+    )
+    _, _, curv = fn(model, batch)
+    per_step = sum(len(jax.tree_util.tree_leaves(b)) for b in curv.blocks.values())
+    stored = len(jax.tree_util.tree_leaves(curv))
+    # 6 projections and 2 LayerNorms, 2 arrays each, over 2 steps; and the
+    # embedding's and head's factors.
+    assert per_step == 2 * 8 * STEPS + 4
+    assert stored == 2 * 8 + 4
