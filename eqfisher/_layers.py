@@ -20,6 +20,7 @@ bias added along the output features. A layer declared with
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -396,6 +397,12 @@ def _step_unmatched(
 
 
 def layer_name(paths: Sequence[str]) -> str:
+    """The common prefix of a layer's parameter paths: its model path."""
+    return _layer_name(tuple(paths))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_name(paths: tuple[str, ...]) -> str:
     parts = [_split(p) for p in paths]
     common = []
     for items in zip(*parts, strict=False):

@@ -481,14 +481,14 @@ def _mean_axes(record: LayerRecord) -> tuple[int, ...] | None:
     return tuple(sorted(record.in_order[1:n]))
 
 
-def _agreed(points_of: dict[int, list]) -> dict[int, object]:
+def _agreed(points_of: dict[int, set]) -> dict[int, object]:
     """Each point's one wanted value, for the points whose records all agree on one
     that is not None."""
-    out = {}
-    for key, wanted in points_of.items():
-        if wanted[0] is not None and all(w == wanted[0] for w in wanted):
-            out[key] = wanted[0]
-    return out
+    return {
+        key: next(iter(wanted))
+        for key, wanted in points_of.items()
+        if len(wanted) == 1 and None not in wanted
+    }
 
 
 def _point(atom: PVar) -> PVar:
@@ -505,17 +505,23 @@ def per_example_taps(
     nothing); for the dense inputs whose every record is, the axes to average.
     Keyed by the point's `id`."""
     ok = {id(r) for r in per_example}
-    shapes: dict[int, list] = {}
-    means: dict[int, list] = {}
+    shapes: dict[int, set] = {}
+    means: dict[int, set] = {}
+    known: dict[tuple, tuple] = {}  # the uses at every step of a scan repeat one
     for r in layers:
-        out = r.outputs.aval.dtype
-        summed = id(r) in ok and stat_dtype(out) == out
-        shapes.setdefault(id(_point(r.outputs)), []).append(
-            _summed_shape(r) if summed else None
-        )
+        out, point = r.outputs.aval.dtype, _point(r.outputs)
+        inputs = _point(r.inputs) if isinstance(r.inputs, PVar) else r.inputs
+        key = (id(point), id(inputs), r.kind, r.out_order, r.in_order, r.d_out)
+        if key not in known:
+            summed = stat_dtype(out) == out
+            known[key] = (
+                _summed_shape(r) if summed else None,
+                _mean_axes(r) if isinstance(r.inputs, PVar) else None,
+            )
+        shape, mean = known[key] if id(r) in ok else (None, None)
+        shapes.setdefault(id(point), set()).add(shape)
         if isinstance(r.inputs, PVar):
-            mean = _mean_axes(r) if id(r) in ok else None
-            means.setdefault(id(_point(r.inputs)), []).append(mean)
+            means.setdefault(id(_point(r.inputs)), set()).add(mean)
     return _agreed(shapes), _agreed(means)  # pyright: ignore
 
 
