@@ -89,3 +89,14 @@ def block_slices(model) -> list[slice]:
         out.append(slice(start, start + leaf.size))
         start += leaf.size
     return out
+
+
+def perturbed(model, key, scale=0.3):
+    """`model` with normal noise added to every parameter: LayerNorm scales and
+    shifts away from 1 and 0, so that every entry of a reference is informative."""
+    leaves, tree = jax.tree_util.tree_flatten(eqx.filter(model, eqx.is_inexact_array))
+    keys = jax.random.split(key, len(leaves))
+    leaves = [
+        x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)
+    ]
+    return eqx.combine(jax.tree_util.tree_unflatten(tree, leaves), model)

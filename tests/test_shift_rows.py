@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from helpers import block_slices, dense_empirical_fisher, dense_ggn
+from helpers import block_slices, dense_empirical_fisher, dense_ggn, perturbed
 from jax.flatten_util import ravel_pytree
 from zoo import GRUClassifier
 
@@ -39,19 +39,11 @@ def _ce(labels):
     return loss
 
 
-def _perturbed(model, key):
-    """Scales and shifts away from 1 and 0, so that every entry is informative."""
-    leaves, tree = jax.tree_util.tree_flatten(eqx.filter(model, eqx.is_inexact_array))
-    keys = jr.split(key, len(leaves))
-    leaves = [x + 0.3 * jr.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    return eqx.combine(jax.tree_util.tree_unflatten(tree, leaves), model)
-
-
 # --- a GRU over T steps: `bias_n` is a shift used at every step -----------------
 
 
 def _gru(t=6, n=5):
-    model = _perturbed(_f64(GRUClassifier(jr.key(0))), jr.key(1))
+    model = perturbed(_f64(GRUClassifier(jr.key(0))), jr.key(1))
     x = jr.normal(jr.key(2), (n, t, 2), F64)
     y = jr.randint(jr.key(3), (n,), 0, 4)
 
@@ -103,7 +95,7 @@ class Stack(eqx.Module):
 
 
 def _stack(t=3, n=5, time_major=False):
-    model = _perturbed(_f64(Stack(t, jr.key(4))), jr.key(5))
+    model = perturbed(_f64(Stack(t, jr.key(4))), jr.key(5))
     x = jr.normal(jr.key(6), (n, t, 3), F64)
     y = jr.randint(jr.key(7), (n, t), 0, 2)
     if time_major:  # (T, N, F): the model maps over the second axis
@@ -247,7 +239,7 @@ class TopKGRU(GRUClassifier):
 
 def test_unproven_independence_is_checked_by_a_forward_per_example():
     loss_fn, model, batch, _, _ = _gru()
-    model = _perturbed(_f64(TopKGRU(jr.key(0))), jr.key(1))
+    model = perturbed(_f64(TopKGRU(jr.key(0))), jr.key(1))
     x, y = batch
     with_shift, plain = _scan_counts(loss_fn, model, batch)
     assert with_shift == plain + 1, (with_shift, plain)  # the check's forward

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from helpers import dense_ggn
+from helpers import dense_ggn_cross_entropy, perturbed
 
 import eqfisher as ef
 from eqfisher.internal import Traced, per_example_taps, split
@@ -94,16 +94,8 @@ class Net(eqx.Module):
         return self.head(h.mean(0))
 
 
-def _perturbed(model, key):
-    """LayerNorm scales and shifts away from 1 and 0."""
-    leaves, tree = jax.tree_util.tree_flatten(eqx.filter(model, eqx.is_inexact_array))
-    keys = jr.split(key, len(leaves))
-    leaves = [x + 0.3 * jr.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    return eqx.combine(jax.tree_util.tree_unflatten(tree, leaves), model)
-
-
 def _problem(dtype=F64):
-    model = _perturbed(Net(jr.key(0), dtype), jr.key(1))
+    model = perturbed(Net(jr.key(0), dtype), jr.key(1))
     x = jr.normal(jr.key(2), (N, T, D0), dtype)
     y = jr.randint(jr.key(3), (N,), 0, C)
     return model, (x, y)
@@ -193,7 +185,7 @@ def test_layernorm_diagonals_beside_reduce_taps_are_exact():
         estimator=ef.GGN(),
         structure=ef.KFAC(weight_sharing="reduce"),
     )
-    ggn = dense_ggn(lambda m: jax.vmap(m)(batch[0]), _ce(batch[1]), model)
+    ggn = dense_ggn_cross_entropy(model, *batch)
     params = eqx.filter(model, eqx.is_inexact_array)
     paths = [
         jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)
@@ -213,14 +205,6 @@ def test_layernorm_diagonals_beside_reduce_taps_are_exact():
             np.testing.assert_allclose(got, leaf[step], atol=1e-12, err_msg=name)
             checked += 1
     assert checked == 4 * STEPS
-
-
-def _ce(labels):
-    def loss(out):
-        onehot = jax.nn.one_hot(labels, out.shape[-1], dtype=out.dtype)
-        return -jnp.mean(jnp.sum(onehot * jax.nn.log_softmax(out), axis=-1))
-
-    return loss
 
 
 def _taps(model, batch):
