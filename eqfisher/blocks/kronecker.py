@@ -1,5 +1,6 @@
 import equinox as eqx
 import jax
+import jax.custom_batching
 import jax.numpy as jnp
 import jax.scipy.linalg
 from jaxtyping import Array, ArrayLike, Float, ScalarLike
@@ -60,26 +61,70 @@ def _clamped_eigh(factor: Factor) -> Eigh:
     return jnp.maximum(values, 0), vectors
 
 
+def _eigh_inverse(eig: Eigh, shift: Array) -> Array:
+    values, vectors = jnp.maximum(eig[0], 0), eig[1]
+    return (vectors / (values + shift)[None, :]) @ vectors.T
+
+
+def _cholesky_inverse(factor: Array, shift: Array) -> Array:
+    eye = jnp.eye(factor.shape[0], dtype=factor.dtype)
+    chol = jnp.linalg.cholesky(factor + shift * eye)
+    return jax.scipy.linalg.cho_solve((chol, True), eye)
+
+
+def _plain_shifted_inverse(factor: Array, shift: Array) -> Array:
+    inv = _cholesky_inverse(factor, shift)
+    return jax.lax.cond(
+        jnp.all(jnp.isfinite(inv)),
+        lambda: inv,
+        lambda: _eigh_inverse(_clamped_eigh(factor), shift),
+    )
+
+
+@jax.custom_jvp
+def _dense_shifted_inverse(factor: Array, shift: Array) -> Array:
+    return _batched_shifted_inverse(factor, shift)
+
+
+@_dense_shifted_inverse.defjvp
+def _dense_shifted_inverse_jvp(primals, tangents):
+    # Differentiated as the plain function (`custom_vmap` has no derivative).
+    return jax.jvp(_plain_shifted_inverse, primals, tangents)
+
+
+@jax.custom_batching.custom_vmap
+def _batched_shifted_inverse(factor: Array, shift: Array) -> Array:
+    return _plain_shifted_inverse(factor, shift)
+
+
+@_batched_shifted_inverse.def_vmap
+def _dense_shifted_inverses(axis_size, in_batched, factor, shift):
+    # The factors of a stacked layer's steps (`Curvature.runs`): a Cholesky each,
+    # and the eigendecompositions only when one of them failed. `vmap` of the
+    # `lax.cond` above would select between both branches, computing them always.
+    factor, shift = (
+        x if batched else jnp.broadcast_to(x, (axis_size, *jnp.shape(x)))
+        for x, batched in zip((factor, shift), in_batched)
+    )
+    inv = jax.vmap(_cholesky_inverse)(factor, shift)
+    ok = jnp.all(jnp.isfinite(inv), axis=(-2, -1))
+
+    def fallback():
+        by_eigh = jax.vmap(lambda f, s: _eigh_inverse(_clamped_eigh(f), s))
+        return jnp.where(ok[:, None, None], inv, by_eigh(factor, shift))
+
+    return jax.lax.cond(jnp.all(ok), lambda: inv, fallback), True
+
+
 def _shifted_inverse(factor: Factor, shift: Array, eig: Eigh | None) -> Factor:
     # (factor + shift·I)⁻¹ for a PSD factor and shift > 0: from the cached
     # eigendecomposition when there is one, else by Cholesky, falling back to a
     # clamped eigendecomposition when rounding makes Cholesky fail (float32).
-    def by_eigh(eig):
-        values, vectors = jnp.maximum(eig[0], 0), eig[1]
-        return (vectors / (values + shift)[None, :]) @ vectors.T
-
     if factor.ndim == 1:
         return 1 / (jnp.maximum(factor, 0) + shift)
     if eig is not None:
-        return by_eigh(eig)
-    eye = jnp.eye(factor.shape[0], dtype=factor.dtype)
-    chol = jnp.linalg.cholesky(factor + shift * eye)
-    inv = jax.scipy.linalg.cho_solve((chol, True), eye)
-    return jax.lax.cond(
-        jnp.all(jnp.isfinite(inv)),
-        lambda: inv,
-        lambda: by_eigh(_clamped_eigh(factor)),
-    )
+        return _eigh_inverse(eig, shift)
+    return _dense_shifted_inverse(factor, shift)
 
 
 class KroneckerFactored(AbstractBlock):

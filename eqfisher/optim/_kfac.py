@@ -20,8 +20,7 @@ from ._state import (
 
 
 def _invert(avg: Curvature, lam: Array, damping: AbstractDamping) -> Curvature:
-    blocks = {k: damping.precompute(b, lam) for k, b in avg.blocks.items()}
-    return Curvature(blocks, avg.leaf_indices, avg.structure, avg.leaf_slices)
+    return avg.map_blocks(lambda b: damping.precompute(b, lam))
 
 
 def initial_state(like: Curvature, lam: Array, damping: AbstractDamping) -> KFACState:
