@@ -106,6 +106,16 @@ def loss_fn(model, batch):
     return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
 
 
+def _kfac_reduce(model, batch):
+    return ef.curvature(
+        loss_fn,
+        model,
+        batch,
+        estimator=ef.GGN(),
+        structure=ef.KFAC(weight_sharing="reduce"),
+    )
+
+
 def _reference_factors(model, x, y):
     """Each step's projections' "reduce" factors, by their definitions: A the mean
     over examples of ā ā^T (ā = [mean input row; 1]), G = Σ_k Σ_n ĝ_kn ĝ_kn^T with
@@ -161,13 +171,7 @@ def _reference_factors(model, x, y):
 
 def test_reduce_factors_of_scanned_blocks_match_their_definitions():
     model, (x, y) = _problem()
-    curv = ef.curvature(
-        loss_fn,
-        model,
-        (x, y),
-        estimator=ef.GGN(),
-        structure=ef.KFAC(weight_sharing="reduce"),
-    )
+    curv = _kfac_reduce(model, (x, y))
     reference = _reference_factors(model, x, y)
     for name, (a, g) in reference.items():
         np.testing.assert_allclose(curv.blocks[name].a, a, atol=1e-12, err_msg=name)
@@ -178,13 +182,7 @@ def test_layernorm_diagonals_beside_reduce_taps_are_exact():
     """The LayerNorms' outputs are the projections' inputs (read as means for
     them): their own exact diagonals still see every location."""
     model, batch = _problem()
-    curv = ef.curvature(
-        loss_fn,
-        model,
-        batch,
-        estimator=ef.GGN(),
-        structure=ef.KFAC(weight_sharing="reduce"),
-    )
+    curv = _kfac_reduce(model, batch)
     ggn = dense_ggn_cross_entropy(model, *batch)
     params = eqx.filter(model, eqx.is_inexact_array)
     paths = [
@@ -351,13 +349,7 @@ def test_map_blocks_inverts_a_stacked_layer_at_once(damping):
     """The optimiser's damped inverses (`Curvature.map_blocks`) of the stacked
     blocks equal those of each step's block."""
     model, batch = _problem()
-    curv = ef.curvature(
-        loss_fn,
-        model,
-        batch,
-        estimator=ef.GGN(),
-        structure=ef.KFAC(weight_sharing="reduce"),
-    )
+    curv = _kfac_reduce(model, batch)
     inverse = curv.map_blocks(lambda b: damping.precompute(b, 0.1))
     assert inverse.runs == curv.runs
     for name, block in curv.blocks.items():
