@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from . import _statistics as stats, filters
-from ._curvature_operator import Curvature
+from ._curvature_operator import Curvature, step_runs
 from ._estimators import AbstractEstimator, loss_vectors, stacked_vectors
 from ._example_axes import proven_labels
 from ._examples import AbstractExamples, IndependentExamples, InteractingExamples
@@ -318,28 +318,19 @@ class Builder(eqx.Module):
 
 
 def _step_runs(grouping, needs, processed) -> list[list[int]]:
-    """The groups that are the steps 0, 1, ... of one stacked layer, as positions in
-    `grouping`: each group on step k's slices of the same leaves, all with the same
-    needs and operand shapes."""
-    by_leaves: dict[tuple[int, ...], dict[int, int]] = {}
-    for j, g in enumerate(grouping):
-        units = [processed.units[i] for i in g.leaves]
-        index = {idx for _, idx in units}
-        if len(index) == 1 and len(next(iter(index))) == 1:
-            step = next(iter(index))[0]
-            by_leaves.setdefault(tuple(leaf for leaf, _ in units), {})[step] = j
-    runs = []
-    for steps in by_leaves.values():
-        if len(steps) < 2 or sorted(steps) != list(range(len(steps))):
-            continue
-        run = [steps[k] for k in range(len(steps))]
-        first = run[0]
+    """The groups that are the steps 0, 1, ... of one stacked layer (`step_runs`
+    over their units), as positions in `grouping`, all with the same needs and
+    operand shapes."""
+    units = [[processed.units[i] for i in g.leaves] for g in grouping]
+    entries = [(tuple(u for u, _ in us), tuple(k for _, k in us)) for us in units]
+    return [
+        run
+        for run in step_runs(entries)
         if all(
-            needs[j] == needs[first] and grouping[j].shapes == grouping[first].shapes
+            needs[j] == needs[run[0]] and grouping[j].shapes == grouping[run[0]].shapes
             for j in run
-        ):
-            runs.append(run)
-    return runs
+        )
+    ]
 
 
 def _pull_each(vjp, vectors):

@@ -373,23 +373,33 @@ def _signature(block: AbstractBlock) -> tuple:
     return treedef, tuple((tuple(x.shape), x.dtype) for x in leaves)
 
 
+def step_runs(entries) -> list[list[int]]:
+    """The positions of the entries that are steps 0, 1, ... of one stacked layer.
+    `entries` are `(leaves, slices)` pairs: the positions of an entry's leaves and
+    each one's index into its leading axes; a step's entry has the one index `(k,)`
+    on every leaf, and the steps of a layer share their leaves."""
+    steps: dict[tuple[int, ...], dict[int, int]] = {}
+    for j, (leaves, slices) in enumerate(entries):
+        if slices and all(len(k) == 1 for k in slices) and len(set(slices)) == 1:
+            steps.setdefault(tuple(leaves), {})[slices[0][0]] = j
+    return [
+        [by_step[k] for k in range(len(by_step))]
+        for by_step in steps.values()
+        if len(by_step) > 1 and sorted(by_step) == list(range(len(by_step)))
+    ]
+
+
 def _runs(blocks, leaf_indices, leaf_slices) -> tuple[tuple[str, ...], ...]:
-    """The names of the blocks that are steps 0, 1, ... of one stacked layer: the
-    same leaves, each block on one step's slice of them, all of one tree structure
-    and shape."""
+    """The names of the blocks that are steps 0, 1, ... of one stacked layer
+    (`step_runs`), all of one tree structure and shape."""
     if leaf_slices is None:
         return ()
-    steps: dict[tuple[int, ...], dict[int, str]] = {}
-    for (name, idx), sl in zip(leaf_indices, leaf_slices):
-        if sl and all(len(k) == 1 for k in sl) and len(set(sl)) == 1:
-            steps.setdefault(idx, {})[sl[0][0]] = name
+    entries = [(idx, sl) for (_, idx), sl in zip(leaf_indices, leaf_slices)]
     runs = []
-    for by_step in steps.values():
-        if len(by_step) < 2 or sorted(by_step) != list(range(len(by_step))):
-            continue
-        run = tuple(by_step[k] for k in range(len(by_step)))
-        if len({_signature(blocks[n]) for n in run}) == 1:
-            runs.append(run)
+    for run in step_runs(entries):
+        names = tuple(leaf_indices[j][0] for j in run)
+        if len({_signature(blocks[n]) for n in names}) == 1:
+            runs.append(names)
     return tuple(runs)
 
 

@@ -521,7 +521,7 @@ def per_example_taps(
         shape, mean = known[key] if id(r) in ok else (None, None)
         shapes.setdefault(id(point), set()).add(shape)
         if isinstance(r.inputs, PVar):
-            means.setdefault(id(_point(r.inputs)), set()).add(mean)
+            means.setdefault(id(inputs), set()).add(mean)
     return _agreed(shapes), _agreed(means)  # pyright: ignore
 
 
