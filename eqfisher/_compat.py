@@ -90,13 +90,23 @@ def scan_counts(eqn: JaxprEqn) -> tuple[int, int]:
     p = eqn.params
     if "num_consts" in p:
         return p["num_consts"], p["num_carry"]
-    ft_in = p.get("ft_in")
-    if ft_in is None or len(ft_in) != 3:
+    groups = _scan_groups(p.get("ft_in"))
+    if groups is None or len(groups) != 3:
         raise RuntimeError(
             f"eqfisher cannot read this `scan` equation's parameters on jax "
             f"{jax.__version__} ({sorted(p)}); please report it."
         )
-    return len(ft_in[0]), len(ft_in[1])
+    return len(groups[0]), len(groups[1])
+
+
+def _scan_groups(ft_in: Any) -> tuple[Any, ...] | None:
+    # jax 0.11 stores the groups as a tuple of tuples; from 0.12 `ft_in` is a
+    # `FlatTree` whose `unpack()` gives the groups (indexing it gives leaves).
+    if ft_in is None:
+        return None
+    if hasattr(ft_in, "unpack"):
+        return tuple(ft_in.unpack())
+    return tuple(ft_in)
 
 
 def is_literal(atom: Any) -> bool:
