@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.extend as jex
+import jaxlib
 from jax._src import traceback_util
 from jax.interpreters import ad, batching, mlir
 
@@ -21,6 +22,23 @@ Primitive = jex.core.Primitive
 # jax >= 0.10 warns when a Jaxpr is built without one; jax 0.9 has no public class.
 _DebugInfo = getattr(jex.core, "DebugInfo", None)
 JaxprEqn = jex.core.JaxprEqn
+
+
+def release(version: str) -> tuple[int, int]:
+    """`(major, minor)` of a version string such as `"0.10.2"` or `"0.12.0.1"`."""
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+JAXLIB_RELEASE = release(jaxlib.__version__)
+
+# jaxlib 0.10 splits one batched LAPACK call (Cholesky, eigh, QR, SVD, LU, triangular
+# solve) over the CPU thread pool that the call itself runs on, and blocks until the
+# pieces are done. When as many such calls run at once as the pool has threads (two
+# on a 2-core machine), every thread waits for pieces no thread is left to run: the
+# program hangs. jaxlib 0.9 has no such path and 0.11 compiles it out.
+# `eqfisher._linalg` runs batched factorisations one matrix at a time where it is set.
+LAPACK_SPLITS_BATCHES = (0, 10) <= JAXLIB_RELEASE < (0, 11)
 
 # Higher-order primitives whose body eqfisher may inline, with the parameter that holds
 # the body. `jit` was called `pjit` before jax 0.7; `remat2` is `jax.checkpoint`.

@@ -12,6 +12,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import ScalarLike
 
+from . import _linalg as linalg
 from .blocks import (
     AbstractBlock,
     DiagonalBlock,
@@ -135,7 +136,7 @@ def _(block: DiagonalBlock, damping):
 @tikhonov_inverse.register
 def _(block: Full, damping):
     damping = jnp.asarray(damping).astype(block.matrix.dtype)
-    values, vectors = jnp.linalg.eigh(block.matrix)
+    values, vectors = linalg.eigh(block.matrix)
     inverse = (vectors / (jnp.maximum(values, 0) + damping)[None, :]) @ vectors.T
     return Full(inverse, block.structure)
 

@@ -26,7 +26,7 @@ import lineax as lx
 import optax
 from jaxtyping import Array, Float, PyTree, ScalarLike
 
-from . import filters
+from . import _linalg as linalg, filters
 from ._curvature import Curvature
 
 
@@ -206,7 +206,7 @@ def _low_rank(x: Array, rank: int | None):
     """A matrix leaf as rank-`rank` factors `(U·S, V)` (truncated SVD); others kept."""
     if rank is None or x.ndim != 2:
         return x
-    u, s, vt = jnp.linalg.svd(x, full_matrices=False)
+    u, s, vt = linalg.svd(x)
     return (u[:, :rank] * s[None, :rank], vt[:rank].T)
 
 

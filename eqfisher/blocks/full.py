@@ -1,9 +1,9 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.scipy.linalg as jsl
 from jaxtyping import Array, ArrayLike, Float, ScalarLike
 
+from .. import _linalg as linalg
 from ._base import (
     AbstractBlock,
     Operand,
@@ -97,10 +97,10 @@ class Full(AbstractBlock):
 
     def _cholesky(self, damping: Array) -> Float[Array, "size size"]:
         eye = jnp.eye(self.matrix.shape[0], dtype=self.matrix.dtype)
-        return jnp.linalg.cholesky(self.matrix + damping * eye)
+        return linalg.cholesky(self.matrix + damping * eye)
 
     def _clamped_eigh(self) -> tuple[Array, Array]:
-        values, vectors = jnp.linalg.eigh(self.matrix)
+        values, vectors = linalg.eigh(self.matrix)
         return jnp.maximum(values, 0), vectors
 
     def solve(self, vector: Operand, damping: ScalarLike) -> Operand:
@@ -110,7 +110,7 @@ class Full(AbstractBlock):
         factor = self._cholesky(damping)
 
         def by_cholesky():
-            return jsl.cho_solve((factor, True), flat)
+            return linalg.cho_solve(factor, flat)
 
         def by_eigh():
             values, vectors = self._clamped_eigh()
@@ -137,7 +137,7 @@ class Full(AbstractBlock):
         return jnp.trace(self.matrix)
 
     def eigenvalues(self) -> Float[Array, " size"]:
-        return jnp.linalg.eigvalsh(self.matrix)
+        return linalg.eigvalsh(self.matrix)
 
     def ema(self, other: "Full", decay: ScalarLike) -> "Full":
         check_same(self, other, "ema")

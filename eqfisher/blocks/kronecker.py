@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import jax.scipy.linalg
 from jaxtyping import Array, ArrayLike, Float, ScalarLike
 
+from .. import _linalg as linalg
 from ._base import (
     AbstractBlock,
     Operand,
@@ -57,7 +58,7 @@ def _clamped_eigh(factor: Factor) -> Eigh:
     if factor.ndim == 1:
         # Transient identity eigenvectors: every consumer of `a_eig`/`g_eig` works.
         return jnp.maximum(factor, 0), jnp.eye(factor.shape[0], dtype=factor.dtype)
-    values, vectors = jnp.linalg.eigh(factor)
+    values, vectors = linalg.eigh(factor)
     return jnp.maximum(values, 0), vectors
 
 
@@ -68,8 +69,8 @@ def _eigh_inverse(eig: Eigh, shift: Array) -> Array:
 
 def _cholesky_inverse(factor: Array, shift: Array) -> Array:
     eye = jnp.eye(factor.shape[0], dtype=factor.dtype)
-    chol = jnp.linalg.cholesky(factor + shift * eye)
-    return jax.scipy.linalg.cho_solve((chol, True), eye)
+    chol = linalg.cholesky(factor + shift * eye)
+    return linalg.cho_solve(chol, eye)
 
 
 def _plain_shifted_inverse(factor: Array, shift: Array) -> Array:

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
+from .. import _linalg as linalg
 from .._curvature import Curvature
 from ..blocks import (
     AbstractBlock,
@@ -113,7 +114,7 @@ def _(block: Full, vector, scale, prior):
     flat = jnp.concatenate([jnp.ravel(x) for x in vector]).astype(block.matrix.dtype)
     # Rounding can leave a PSD matrix with small negative eigenvalues: clamped, as
     # `Full.solve` does when its Cholesky factorisation fails.
-    values, vectors = jnp.linalg.eigh(block.matrix)
+    values, vectors = linalg.eigh(block.matrix)
     factor = 1 / jnp.sqrt(scale * jnp.maximum(values, 0) + prior)
     out = vectors @ (factor * (vectors.T @ flat))
     parts, start = [], 0

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .. import _linalg as linalg
 from ._flat import FlatOperator
 
 
@@ -105,4 +106,4 @@ def tridiagonal_eigh(
     """Eigenvalues (ascending) and eigenvectors (columns) of the Lanczos T."""
     off = beta[:-1]
     t = jnp.diag(alpha) + jnp.diag(off, 1) + jnp.diag(off, -1)
-    return jnp.linalg.eigh(t)
+    return linalg.eigh(t)

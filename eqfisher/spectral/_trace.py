@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import lineax as lx
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
+from .. import _linalg as linalg
 from ._flat import (
     Distribution,
     FlatOperator,
@@ -165,7 +166,7 @@ class HutchPlusPlus(AbstractTraceEstimator):
     def _sketch(self, operator: FlatOperator, key: PRNGKeyArray):
         n = self.matvecs // 3
         sketch_key, test_key = jax.random.split(key)
-        q, _ = jnp.linalg.qr(operator.matmat(self._vectors(sketch_key, operator, n)))
+        q, _ = linalg.qr(operator.matmat(self._vectors(sketch_key, operator, n)))
         return q, self._vectors(test_key, operator, n)
 
     def trace(self, operator: FlatOperator, key: PRNGKeyArray) -> Float[Array, ""]:
@@ -193,7 +194,7 @@ def _leave_one_out(r: Float[Array, "k k"]) -> Float[Array, "k k"]:
     low-rank curvature) the columns then lie in R's null space, any vector of which
     serves (the sketch holds the whole range), instead of being infinite.
     """
-    u, sigma, vt = jnp.linalg.svd(r)
+    u, sigma, vt = linalg.svd(r)
     floor = jnp.maximum(jnp.finfo(r.dtype).eps * sigma[0], jnp.finfo(r.dtype).tiny)
     s = (u / jnp.maximum(sigma, floor)[None, :]) @ vt
     return s / jnp.linalg.norm(s, axis=0, keepdims=True)
@@ -246,7 +247,7 @@ class XTrace(AbstractTraceEstimator):
     def _sketch(self, operator: FlatOperator, key: PRNGKeyArray):
         w = self._vectors(key, operator, self.matvecs // 2)
         y = operator.matmat(w)
-        q, r = jnp.linalg.qr(y)
+        q, r = linalg.qr(y)
         return w, y, q, _leave_one_out(r)
 
     def trace(self, operator: FlatOperator, key: PRNGKeyArray) -> Float[Array, ""]:

@@ -1,0 +1,99 @@
+"""The matrix factorisations eqfisher calls, safe on every supported jaxlib.
+
+On jaxlib 0.10 a batched LAPACK call can hang the CPU thread pool
+(`_compat.LAPACK_SPLITS_BATCHES` says why). There each function here runs a batch
+one matrix at a time on the CPU, the batch given as leading axes or made by
+`jax.vmap`, through `jax.lax.map`: a loop whose body makes one unbatched call, which
+jaxlib runs on the calling thread. Other jaxlibs, and other platforms, get the plain
+`jax.numpy` function. Derivatives are those of the plain function.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.scipy.linalg as jsl
+
+from . import _compat
+
+
+def _over_leading_axes(op: Callable, ndim: int) -> Callable:
+    """`op` on its arguments' last `ndim` axes, looped over their leading axes."""
+    one = jax.custom_batching.sequential_vmap(op)  # vmap: a `lax.map` of `op`
+
+    def looped(*args):
+        batch = jnp.shape(args[0])[: jnp.ndim(args[0]) - ndim]
+        if not batch:
+            return one(*args)
+        flat = [jnp.reshape(a, (-1, *jnp.shape(a)[len(batch) :])) for a in args]
+        out = jax.lax.map(lambda xs: one(*xs), flat)
+        return jax.tree.map(lambda o: jnp.reshape(o, (*batch, *o.shape[1:])), out)
+
+    return looped
+
+
+def one_matrix_at_a_time(op: Callable, ndim: int = 2) -> Callable:
+    """`op`, a function of matrices, with batches looped on the CPU.
+
+    Always the loop (used where `_compat.LAPACK_SPLITS_BATCHES` is set, and by the
+    tests on every jaxlib). The arguments share their leading (batch) axes; the
+    derivatives are those of `op` itself, whose loop `jax.vmap` does not make.
+    """
+    looped = _over_leading_axes(op, ndim)
+
+    @jax.custom_jvp
+    def safe(*args):
+        return jax.lax.platform_dependent(*args, cpu=looped, default=op)
+
+    @safe.defjvp
+    def _(primals, tangents):
+        return jax.jvp(op, primals, tangents)
+
+    return safe
+
+
+def _safe(op: Callable) -> Callable:
+    looped = one_matrix_at_a_time(op)
+
+    @functools.wraps(op)
+    def call(*args):
+        # Read when traced, so that a test can compare both paths in one process.
+        return (looped if _compat.LAPACK_SPLITS_BATCHES else op)(*args)
+
+    return call
+
+
+# Each wrapped function takes its arrays alone: `custom_jvp` and `custom_vmap` bind
+# every parameter of the signature, defaults (such as `UPLO="L"`) included.
+def _cholesky(x: Any) -> Any:
+    return jnp.linalg.cholesky(x)
+
+
+def _eigvalsh(x: Any) -> Any:
+    return jnp.linalg.eigvalsh(x)
+
+
+def _cho_solve(factor: Any, b: Any) -> Any:
+    return jsl.cho_solve((factor, True), b)
+
+
+def _svd(x: Any) -> Any:
+    return tuple(jnp.linalg.svd(x, full_matrices=False))
+
+
+def _eigh(x: Any) -> Any:
+    return tuple(jnp.linalg.eigh(x))
+
+
+def _qr(x: Any) -> Any:
+    return tuple(jnp.linalg.qr(x))
+
+
+cholesky = _safe(_cholesky)
+cho_solve = _safe(_cho_solve)  # (L Lᵀ)⁻¹ b for a lower Cholesky factor L
+eigh = _safe(_eigh)
+eigvalsh = _safe(_eigvalsh)
+qr = _safe(_qr)  # reduced
+svd = _safe(_svd)  # reduced
