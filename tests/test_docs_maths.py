@@ -217,7 +217,10 @@ def _source(obj) -> str:
         path = inspect.getsourcefile(obj)
     except TypeError:  # a callable instance
         path = inspect.getsourcefile(type(obj))
-    return pathlib.Path(path).resolve().relative_to(ROOT).as_posix()
+    path = pathlib.Path(path).resolve()
+    # A dependency installed outside the checkout (a user's own environment) keeps
+    # its absolute path.
+    return (path.relative_to(ROOT) if path.is_relative_to(ROOT) else path).as_posix()
 
 
 def _doc_owner(obj):
@@ -360,3 +363,17 @@ def test_the_docstring_checks_see_formulas():
     # Code in a docstring is not prose: an example's comment may use Unicode.
     doc = "A $\\lambda$ step.\n\n```python\nx = 1  # (B + λI)⁻¹ v\n```\n"
     assert not _unicode_formulas(doc) and _unicode_formulas("(B + λI)⁻¹ v")
+
+
+def test_sources_outside_the_checkout_keep_their_path(tmp_path):
+    # The suite runs from an environment outside the checkout too: a dependency's
+    # docstring is then read from an absolute path (this raised at collection).
+    import importlib.util
+
+    file = tmp_path / "outside.py"
+    file.write_text('def f():\n    """A docstring."""\n')
+    spec = importlib.util.spec_from_file_location("outside", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert _source(module.f) == file.resolve().as_posix()
+    assert _source(_source) == "tests/test_docs_maths.py"
