@@ -13,9 +13,11 @@ output, or returns None when the equation is not a pure relayout of that operand
 """
 
 import dataclasses
+import functools
 from collections.abc import Hashable, Sequence
 from typing import TypeVar
 
+from . import _compat
 from ._program import Node
 
 
@@ -79,27 +81,27 @@ def follow(node: Node, labels: tuple[L | None, ...]) -> tuple[L | None, ...] | N
     """The labels of `node`'s single output, given those of its first operand."""
     in_shape = tuple(node.eqn.invars[0].aval.shape)
     out_shape = tuple(node.eqn.outvars[0].aval.shape)
-    name, params = node.name, node.params
+    name, param = node.name, functools.partial(_compat.param, node.eqn)
     if name in ("convert_element_type", "copy", "copy_p"):
         return labels
     if name == "transpose":
-        return tuple(labels[p] for p in params["permutation"])
+        return tuple(labels[p] for p in param("permutation"))
     if name == "broadcast_in_dim":
         out: list[L | None] = [None] * len(out_shape)
-        for i, d in enumerate(params["broadcast_dimensions"]):
+        for i, d in enumerate(param("broadcast_dimensions")):
             # An operand axis of size 1 broadcast to a longer one has no origin.
             out[d] = labels[i] if in_shape[i] == out_shape[d] else None
         return tuple(out)
     if name == "squeeze":
-        dims = {d % len(in_shape) for d in params["dimensions"]}
+        dims = {d % len(in_shape) for d in param("dimensions")}
         return tuple(lab for i, lab in enumerate(labels) if i not in dims)
     if name == "reshape":
-        return _follow_reshape(in_shape, out_shape, params, labels)
+        return _follow_reshape(in_shape, out_shape, param("dimensions", None), labels)
     return None
 
 
-def _follow_reshape(in_shape, out_shape, params, labels):
-    if params.get("dimensions") is not None:
+def _follow_reshape(in_shape, out_shape, dimensions, labels):
+    if dimensions is not None:
         return None
     src, dst = _non_singleton(in_shape), _non_singleton(out_shape)
     if [in_shape[i] for i in src] != [out_shape[j] for j in dst]:

@@ -5,7 +5,7 @@ jaxprs only through the names defined here.
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend as jex
@@ -125,6 +125,121 @@ def _scan_groups(ft_in: Any) -> tuple[Any, ...] | None:
     if hasattr(ft_in, "unpack"):
         return tuple(ft_in.unpack())
     return tuple(ft_in)
+
+
+class Scan(NamedTuple):
+    """What eqfisher reads of a `scan` equation."""
+
+    body: tuple[Jaxpr, list[Any]] | None  # `(jaxpr, consts)`, as `call_body_of`
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: int | bool
+
+
+def scan(eqn: JaxprEqn) -> Scan:
+    """The parameters of a `scan` equation that eqfisher reads."""
+    num_consts, num_carry = scan_counts(eqn)
+    return Scan(
+        call_body_of(param(eqn, "jaxpr")),
+        num_consts,
+        num_carry,
+        param(eqn, "length"),
+        param(eqn, "reverse"),
+        param(eqn, "unroll", 1),
+    )
+
+
+_WINDOW = frozenset(
+    {
+        "window_dimensions",
+        "window_strides",
+        "padding",
+        "base_dilation",
+        "window_dilation",
+    }
+)
+_CONV = frozenset(
+    {
+        "dimension_numbers",
+        "batch_group_count",
+        "feature_group_count",
+        "window_strides",
+        "padding",
+        "lhs_dilation",
+        "rhs_dilation",
+    }
+)
+
+# The parameters of JAX's primitives that eqfisher reads, by primitive. Each is
+# pinned by `tests/test_compat.py` (present, and of the form eqfisher assumes), so a
+# JAX release that renames or reshapes one fails a test that names it; `param`
+# refuses to read one that is not listed here.
+PARAMS_READ: dict[str, frozenset[str]] = {
+    "transpose": frozenset({"permutation"}),
+    "broadcast_in_dim": frozenset({"broadcast_dimensions"}),
+    "squeeze": frozenset({"dimensions"}),
+    "reshape": frozenset({"dimensions"}),
+    **dict.fromkeys(
+        "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or "
+        "argmax argmin".split(),
+        frozenset({"axes"}),
+    ),
+    **dict.fromkeys(
+        "cumsum cumprod cummax cummin cumlogsumexp".split(), frozenset({"axis"})
+    ),
+    "sort": frozenset({"dimension"}),
+    "rev": frozenset({"dimensions"}),
+    "dot_general": frozenset({"dimension_numbers"}),
+    "slice": frozenset({"start_indices", "limit_indices", "strides"}),
+    "dynamic_slice": frozenset({"slice_sizes"}),
+    "pad": frozenset({"padding_config"}),
+    "conv_general_dilated": _CONV,
+    "gather": frozenset({"dimension_numbers", "slice_sizes"}),
+    "split": frozenset({"axis"}),
+    "concatenate": frozenset({"dimension"}),
+    **dict.fromkeys(
+        "reduce_window_sum reduce_window_max reduce_window_min".split(), _WINDOW
+    ),
+    "scan": frozenset({"jaxpr", "length", "reverse", "unroll"}),
+}
+
+_REQUIRED: Any = object()
+
+
+def param(eqn: JaxprEqn, name: str, default: Any = _REQUIRED) -> Any:
+    """The parameter `name` of a JAX primitive's equation (listed in `PARAMS_READ`).
+
+    A parameter that this JAX does not have raises a `RuntimeError` naming it,
+    unless a `default` is given (for parameters older JAX releases lack).
+    """
+    prim = eqn.primitive.name
+    if name not in PARAMS_READ.get(prim, ()):
+        raise AssertionError(
+            f"eqfisher reads `{prim}`'s parameter `{name}`: list it in "
+            "`_compat.PARAMS_READ`, and pin it in tests/test_compat.py."
+        )
+    if name in eqn.params:
+        return eqn.params[name]
+    if default is not _REQUIRED:
+        return default
+    raise RuntimeError(
+        f"eqfisher reads the parameter `{name}` of `{prim}` equations, which jax "
+        f"{jax.__version__} does not have (it has {sorted(eqn.params)}); please "
+        "report it."
+    )
+
+
+def gather_batching_dims(dn: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`(operand_batching_dims, start_indices_batching_dims)` of a gather's
+    dimension numbers: the axes gathered one-to-one (a vmapped index)."""
+    return tuple(dn.operand_batching_dims), tuple(dn.start_indices_batching_dims)
+
+
+def shape(atom: Any) -> tuple[int, ...]:
+    """The shape of a jaxpr variable or literal (`()` for abstract tokens)."""
+    return tuple(getattr(atom.aval, "shape", ()))
 
 
 def is_literal(atom: Any) -> bool:

@@ -124,12 +124,12 @@ class Curvature(lx.AbstractLinearOperator):
         # (inside `optax.masked`) is accepted alike.
         leaves, treedef = jax.tree_util.tree_flatten(vector)
         shapes = [s.shape for s in jax.tree_util.tree_leaves(self.structure)]
-        if [jnp.shape(x) for x in leaves] != shapes:
+        if leaf_shapes(leaves) != shapes:
             raise ValueError(
                 f"`Curvature.{method}(vector)`: `vector` must have the structure of "
                 "the parameters the curvature covers (eqx.filter(model, "
                 "eqx.is_inexact_array), restricted by `where`); its leaves have shapes "
-                f"{[jnp.shape(x) for x in leaves]}, expected {shapes}."
+                f"{leaf_shapes(leaves)}, expected {shapes}."
             )
         return leaves, treedef
 
@@ -416,3 +416,13 @@ def _take(x: Any, step: int) -> Any:
 
 
 register_psd_operator(Curvature)
+
+
+def leaf_shapes(leaves: list) -> list:
+    """The shape of each array leaf, and the type of any other (a model's
+    activation function, say), for error messages: `jnp.shape` of a leaf that is
+    not an array is an error in newer JAX."""
+    return [
+        jnp.shape(x) if eqx.is_array_like(x) else f"<{type(x).__name__}>"
+        for x in leaves
+    ]

@@ -13,6 +13,7 @@ and a scale-and-shift layer's per-example rows can be read from the main pass
 without the forward per example that otherwise checks it (`_per_example.py`).
 """
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -153,7 +154,7 @@ def eqn_labels(eqn, labels: Sequence[Label]) -> list[Label]:
 
 
 def _shape(v) -> tuple[int, ...]:
-    return tuple(getattr(v.aval, "shape", ()))
+    return _compat.shape(v)
 
 
 def _elementwise(eqn, labels) -> Any:
@@ -191,11 +192,11 @@ def _only(labels) -> int:
 
 
 def _broadcast_in_dim(eqn, labels) -> Any:
-    return eqn.params["broadcast_dimensions"][labels[0]]
+    return _compat.param(eqn, "broadcast_dimensions")[labels[0]]
 
 
 def _reshape(eqn, labels) -> Any:
-    if eqn.params.get("dimensions") is not None:
+    if _compat.param(eqn, "dimensions", None) is not None:
         return MIXED
     e, old, new = labels[0], _shape(eqn.invars[0]), _shape(eqn.outvars[0])
     before = math.prod(old[:e])
@@ -206,17 +207,17 @@ def _reshape(eqn, labels) -> Any:
 
 
 def _squeeze(eqn, labels) -> Any:
-    dims = [d % len(_shape(eqn.invars[0])) for d in eqn.params["dimensions"]]
+    dims = [d % len(_shape(eqn.invars[0])) for d in _compat.param(eqn, "dimensions")]
     e = labels[0]
     return MIXED if e in dims else e - sum(d < e for d in dims)
 
 
 def _transpose(eqn, labels) -> Any:
-    return list(eqn.params["permutation"]).index(labels[0])
+    return list(_compat.param(eqn, "permutation")).index(labels[0])
 
 
 def _reduce(eqn, labels) -> Any:
-    axes = eqn.params["axes"]
+    axes = _compat.param(eqn, "axes")
     e = labels[0]
     return MIXED if e in axes else e - sum(d < e for d in axes)
 
@@ -228,7 +229,7 @@ def _along(key: str) -> Callable:
         e = _only(labels)
         if e == MIXED:
             return MIXED
-        axes = eqn.params[key]
+        axes = _compat.param(eqn, key)
         axes = axes if isinstance(axes, (tuple, list)) else (axes,)
         return MIXED if e in axes else e
 
@@ -236,7 +237,7 @@ def _along(key: str) -> Callable:
 
 
 def _dot_general(eqn, labels) -> Any:
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    (lc, rc), (lb, rb) = _compat.param(eqn, "dimension_numbers")
     el, er = labels
     nl, nr = len(_shape(eqn.invars[0])), len(_shape(eqn.invars[1]))
     l_free = [d for d in range(nl) if d not in lc and d not in lb]
@@ -261,9 +262,9 @@ def _full_along(e: int, start, limit, shape, strides=None) -> bool:
 
 
 def _slice(eqn, labels) -> Any:
-    e, p = labels[0], eqn.params
+    e, p = labels[0], functools.partial(_compat.param, eqn)
     whole = _full_along(
-        e, p["start_indices"], p["limit_indices"], _shape(eqn.invars[0]), p["strides"]
+        e, p("start_indices"), p("limit_indices"), _shape(eqn.invars[0]), p("strides")
     )
     return e if whole else MIXED
 
@@ -272,7 +273,9 @@ def _dynamic_slice(eqn, labels) -> Any:
     e = labels[0]
     if e is None or any(a is not None for a in labels[1:]):
         return MIXED
-    return e if eqn.params["slice_sizes"][e] == _shape(eqn.invars[0])[e] else MIXED
+    return (
+        e if _compat.param(eqn, "slice_sizes")[e] == _shape(eqn.invars[0])[e] else MIXED
+    )
 
 
 def _dynamic_update_slice(eqn, labels) -> Any:
@@ -289,32 +292,32 @@ def _pad(eqn, labels) -> Any:
     if labels[1] is not None:
         return MIXED
     e = labels[0]
-    return e if tuple(eqn.params["padding_config"][e]) == (0, 0, 0) else MIXED
+    return e if tuple(_compat.param(eqn, "padding_config")[e]) == (0, 0, 0) else MIXED
 
 
 def _conv(eqn, labels) -> Any:
-    dn, p = eqn.params["dimension_numbers"], eqn.params
-    if labels[1] is not None or p["batch_group_count"] != 1:
+    dn = _compat.param(eqn, "dimension_numbers")
+    if labels[1] is not None or _compat.param(eqn, "batch_group_count") != 1:
         return MIXED
     return dn.out_spec[0] if labels[0] == dn.lhs_spec[0] else MIXED
 
 
 def _gather(eqn, labels) -> Any:
     eo, ei = labels[0], labels[1]
-    dn = eqn.params["dimension_numbers"]
+    dn = _compat.param(eqn, "dimension_numbers")
     out_rank, n_idx = len(_shape(eqn.outvars[0])), len(_shape(eqn.invars[1]))
     batch = [d for d in range(out_rank) if d not in dn.offset_dims]
     if ei is not None and ei == n_idx - 1:
         return MIXED  # the index vector itself
     if eo is None:
         return batch[ei]  # pyright: ignore
-    operand_batching = tuple(getattr(dn, "operand_batching_dims", ()))
+    operand_batching, indices_batching = _compat.gather_batching_dims(dn)
     if eo in operand_batching:
         j = operand_batching.index(eo)
-        return batch[ei] if ei == dn.start_indices_batching_dims[j] else MIXED
+        return batch[ei] if ei == indices_batching[j] else MIXED
     if ei is not None or eo in dn.collapsed_slice_dims or eo in dn.start_index_map:
         return MIXED
-    if eqn.params["slice_sizes"][eo] != _shape(eqn.invars[0])[eo]:
+    if _compat.param(eqn, "slice_sizes")[eo] != _shape(eqn.invars[0])[eo]:
         return MIXED
     kept = [
         d
@@ -325,25 +328,26 @@ def _gather(eqn, labels) -> Any:
 
 
 def _split(eqn, labels) -> Any:
-    return MIXED if labels[0] == eqn.params["axis"] else labels[0]
+    return MIXED if labels[0] == _compat.param(eqn, "axis") else labels[0]
 
 
 def _concatenate(eqn, labels) -> Any:
     e = _only(labels)
-    return MIXED if e == eqn.params["dimension"] else e
+    return MIXED if e == _compat.param(eqn, "dimension") else e
 
 
 def _window(eqn, labels) -> Any:
     """Pooling (`reduce_window_*`): per example if its window spans one example."""
-    e, p = labels[0], eqn.params
+    e, p = labels[0], functools.partial(_compat.param, eqn)
     if any(a is not None for a in labels[1:]):
         return MIXED
+    ones = (1,) * (e + 1)
     one = (
-        p["window_dimensions"][e] == 1
-        and p["window_strides"][e] == 1
-        and tuple(p["padding"][e]) == (0, 0)
-        and p.get("base_dilation", (1,) * (e + 1))[e] == 1
-        and p.get("window_dilation", (1,) * (e + 1))[e] == 1
+        p("window_dimensions")[e] == 1
+        and p("window_strides")[e] == 1
+        and tuple(p("padding")[e]) == (0, 0)
+        and p("base_dilation", ones)[e] == 1
+        and p("window_dilation", ones)[e] == 1
     )
     return e if one else MIXED
 
@@ -355,10 +359,10 @@ def _tag(eqn, labels) -> Any:
 def _scan(eqn, labels) -> list[Label]:
     """A scan equation (not kept by the tracer): its body, with the carry's labels
     settled as in `_kept_scan`."""
-    body = _compat.call_body_of(eqn.params["jaxpr"])
+    scan = _compat.scan(eqn)
+    body, num_consts, num_carry = scan.body, scan.num_consts, scan.num_carry
     if body is None:
         return [MIXED] * len(eqn.outvars)
-    num_consts, num_carry = _compat.scan_counts(eqn)
     consts = labels[:num_consts]
     carry = labels[num_consts : num_consts + num_carry]
     xs = [_from_stacked(a) for a in labels[num_consts + num_carry :]]

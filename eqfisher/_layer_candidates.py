@@ -11,7 +11,7 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-from . import _axes
+from . import _axes, _compat
 from ._axes import Feature, OutputLabel, output_labels
 from ._declare import layer_tag_p
 from ._layer_graph import Graph, View
@@ -72,7 +72,7 @@ def _param_and_activation(graph: Graph, p_atom, x_atom) -> View | None:
 
 
 def _dense(node: Node, graph: Graph) -> Candidate | None:
-    (lc, rc), (lb, rb) = node.params["dimension_numbers"]
+    (lc, rc), (lb, rb) = _compat.param(node.eqn, "dimension_numbers")
     lhs, rhs = node.operand(0), node.operand(1)
     for w_atom, x_atom, wc, xc, wb, w_is_lhs in (
         (lhs, rhs, lc, rc, lb, True),
@@ -118,9 +118,9 @@ def _conv(node: Node, graph: Graph) -> Candidate | None:
     view = _param_and_activation(graph, rhs, lhs)
     # Grouped convolutions are block-diagonal in the channels: no one Kronecker
     # factor pair fits them, so they stay unmatched (diagonal).
-    if view is None or node.params["batch_group_count"] != 1:
+    if view is None or _compat.param(node.eqn, "batch_group_count") != 1:
         return None
-    dn = node.params["dimension_numbers"]
+    dn = _compat.param(node.eqn, "dimension_numbers")
     rhs_spec, out_spec = tuple(dn.rhs_spec), tuple(dn.out_spec)
     perm = _full_perm(view, rhs_spec, len(graph.shapes[view.index]))
     if perm is None:
@@ -196,7 +196,7 @@ def _embedding(node: Node, graph: Graph) -> Candidate | None:
     perm = _full_perm(view, (1, 0), 2)
     if perm is None:
         return None
-    dn = node.params["dimension_numbers"]
+    dn = _compat.param(node.eqn, "dimension_numbers")
     out_rank = len(node.eqn.outvars[0].aval.shape)
     row = dn.offset_dims[0] if dn.collapsed_slice_dims == () else None  # size 1
     labels = output_labels(
@@ -210,14 +210,17 @@ def _embedding(node: Node, graph: Graph) -> Candidate | None:
 
 
 def _gathers_rows(node: Node, t_shape, i_shape) -> bool:
-    dn, sizes = node.params["dimension_numbers"], tuple(node.params["slice_sizes"])
+    dn, sizes = (
+        _compat.param(node.eqn, "dimension_numbers"),
+        tuple(_compat.param(node.eqn, "slice_sizes")),
+    )
     start_map = tuple(dn.start_index_map)
     return (
         len(t_shape) == 2
         and 0 in start_map
         and all(d == 0 or t_shape[d] == sizes[d] for d in start_map)
         and tuple(dn.collapsed_slice_dims) in ((), (0,))
-        and tuple(getattr(dn, "operand_batching_dims", ())) == ()
+        and _compat.gather_batching_dims(dn)[0] == ()
         and sizes == (1, t_shape[1])
         and i_shape[-1:] == (len(start_map),)
     )

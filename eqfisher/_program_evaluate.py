@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import _compat
 from ._program_types import Atom, Const, Program, PVar, ScanNode, StepVar
 from .losses import loss_tag_p
 
@@ -180,7 +181,7 @@ def _run_scan(
         (xs, deltas),
         length=node.length,
         reverse=node.reverse,
-        unroll=node.params.get("unroll", 1),
+        unroll=_compat.scan(node.eqn).unroll,
     )
     for (_, st), r in zip(emitted, reads):
         ev.env[id(st)] = r

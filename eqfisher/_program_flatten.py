@@ -198,8 +198,8 @@ def _slice_all(atoms: Sequence[Atom], step: int, made) -> _Piece:
 def _unrolls(eqn) -> bool:
     return (
         eqn.primitive.name == "scan"
-        and 0 < eqn.params["length"] <= current_config().max_unroll
-        and _compat.call_body_of(eqn.params["jaxpr"]) is not None
+        and 0 < _compat.scan(eqn).length <= current_config().max_unroll
+        and _compat.scan(eqn).body is not None
     )
 
 
@@ -209,7 +209,7 @@ def _contains_tag(jaxpr) -> bool:
             return True
         body = _compat.call_body(eqn)
         if body is None and eqn.primitive.name == "scan":
-            body = _compat.call_body_of(eqn.params["jaxpr"])
+            body = _compat.scan(eqn).body
         if body is not None and _contains_tag(body[0]):
             return True
     return False
@@ -220,12 +220,10 @@ def _keep_scan(eqn, atoms: Sequence[Atom], made) -> _Piece | None:
     (or a view of one) in the carry or sliced from something other than a whole
     leaf, a leaf already cut by another scan, a loss registered inside, or a body
     that itself cuts units (a nested scan over the stacked leaves)."""
-    p = eqn.params
-    body = _compat.call_body_of(p["jaxpr"])
-    length = p["length"]
+    scan = _compat.scan(eqn)
+    body, length, n_c, n_carry = scan.body, scan.length, scan.num_consts, scan.num_carry
     if body is None or length < 1 or _contains_tag(body[0]):
         return None
-    n_c, n_carry = _compat.scan_counts(eqn)
     consts, carry = tuple(atoms[:n_c]), tuple(atoms[n_c : n_c + n_carry])
     xs = tuple(atoms[n_c + n_carry :])
     if any(holds_param(a) for a in carry):
@@ -263,7 +261,7 @@ def _keep_scan(eqn, atoms: Sequence[Atom], made) -> _Piece | None:
         body=inner.nodes,
         body_outs=tuple(inner.outs),  # pyright: ignore
         length=length,
-        reverse=p["reverse"],
+        reverse=scan.reverse,
     )
     symbolic, units = [], []
     for v, a in zip(xs_in, xs):
@@ -282,12 +280,12 @@ def _keep_scan(eqn, atoms: Sequence[Atom], made) -> _Piece | None:
 
 def _unroll(eqn, atoms: Sequence[Atom], made) -> _Piece:
     """Inlines every step of a scan, cutting its stacked parameters into units."""
-    p = eqn.params
-    (n_c, n_carry), length = _compat.scan_counts(eqn), p["length"]
+    scan = _compat.scan(eqn)
+    n_c, n_carry, length = scan.num_consts, scan.num_carry, scan.length
     consts, carry = list(atoms[:n_c]), list(atoms[n_c : n_c + n_carry])
     xs = atoms[n_c + n_carry :]
-    body = _compat.call_body_of(p["jaxpr"])
-    steps = range(length - 1, -1, -1) if p["reverse"] else range(length)
+    body = scan.body
+    steps = range(length - 1, -1, -1) if scan.reverse else range(length)
     pieces, ys_steps = [], {}
     for step in steps:
         x = _slice_all(xs, step, made | _unit_keys(_units_of(pieces)))

@@ -8,6 +8,7 @@ scale-and-shift layer's curvature is kept exact).
 
 import abc
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from . import _compat
 from ._config import current_config
 from ._layers import LayerKind, LayerRecord
 from ._patches import conv_patches
@@ -72,16 +74,16 @@ class _DenseInputs(AbstractLayerInputs):
 
 def _patches(record: LayerRecord, x: Array) -> Array:
     """The `(locations, d_in)` patch matrix of a conv layer's input."""
-    p = record.core.params
-    dn = p["dimension_numbers"]
+    p = functools.partial(_compat.param, record.core.eqn)
+    dn = p("dimension_numbers")
     kernel_shape = record.core.eqn.invars[1].aval.shape
     patches = conv_patches(
         x,
         tuple(kernel_shape[i] for i in dn.rhs_spec[2:]),
-        p["window_strides"],
-        p["padding"],
-        p["lhs_dilation"],
-        p["rhs_dilation"],
+        p("window_strides"),
+        p("padding"),
+        p("lhs_dilation"),
+        p("rhs_dilation"),
         dn,
     )
     return jnp.moveaxis(patches, dn.out_spec[1], -1).reshape(-1, record.d_in)
@@ -89,7 +91,7 @@ def _patches(record: LayerRecord, x: Array) -> Array:
 
 class _ConvInputs(AbstractLayerInputs):
     def unsupported(self, record):
-        if record.core.params["feature_group_count"] != 1:
+        if _compat.param(record.core.eqn, "feature_group_count") != 1:
             return (
                 "is a grouped convolution, whose curvature is block-diagonal over "
                 "its groups; K-FAC does not support it yet"
@@ -377,7 +379,7 @@ def all_steps_factors(
 def _patch_elements(record: LayerRecord) -> int:
     """Elements of one example's patch matrix (its locations × d_in)."""
     out = record.core.eqn.outvars[0].aval.shape
-    batch = out[record.core.params["dimension_numbers"].out_spec[0]]
+    batch = out[_compat.param(record.core.eqn, "dimension_numbers").out_spec[0]]
     return math.prod(out) // record.d_out // batch * record.d_in
 
 
@@ -402,7 +404,7 @@ def _chunked_patches(
     Examples are the conv's batch axis; the last chunk is padded with zero
     examples, whose patches are zero.
     """
-    axis = record.core.params["dimension_numbers"].lhs_spec[0]
+    axis = _compat.param(record.core.eqn, "dimension_numbers").lhs_spec[0]
     x = jnp.moveaxis(x, axis, 0)
     n = x.shape[0]
     limit = current_config().max_patch_elements

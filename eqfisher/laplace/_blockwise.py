@@ -11,6 +11,7 @@ from jaxtyping import Array, PyTree
 
 from .. import _linalg as linalg
 from .._curvature import Curvature
+from .._curvature_operator import leaf_shapes
 from ..blocks import (
     AbstractBlock,
     DiagonalBlock,
@@ -30,11 +31,11 @@ def block_parts(curv: Curvature) -> list[tuple[str, tuple[int, ...], tuple]]:
 def check_vector(curv: Curvature, vector: PyTree, caller: str) -> list[Array]:
     leaves = jax.tree_util.tree_leaves(vector)
     shapes = [s.shape for s in jax.tree_util.tree_leaves(curv.structure)]
-    if [jnp.shape(x) for x in leaves] != shapes:
+    if leaf_shapes(leaves) != shapes:
         raise ValueError(
             f"`{caller}`: the vector must have the structure of the parameters the "
-            "posterior covers (its leaves' shapes "
-            f"{[jnp.shape(x) for x in leaves]}, expected {shapes})."
+            f"posterior covers (its leaves' shapes {leaf_shapes(leaves)}, expected "
+            f"{shapes})."
         )
     return leaves
 
