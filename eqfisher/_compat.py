@@ -1,7 +1,8 @@
 """Every JAX-internal detail eqfisher relies on, in one place.
 
-Tested on jax 0.9.x, 0.10.x and 0.11.x (the last on a GPU machine, not in CI). Keep this module small: the rest of eqfisher talks to
-jaxprs only through the names defined here.
+CI runs jax 0.9.x, 0.10.x (Python 3.11) and the newest release (Python >= 3.12);
+`tests/test_compat.py` pins every read here. Keep this module small: the rest of
+eqfisher talks to jaxprs only through the names defined here.
 """
 
 from collections.abc import Callable
