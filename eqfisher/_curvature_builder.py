@@ -19,6 +19,7 @@ from ._per_example import (
     main_pass_rows_possible,
     one_example,
     per_example_vectors,
+    probe,
     shift_rows,
 )
 from ._structures import (
@@ -136,6 +137,13 @@ class Builder(eqx.Module):
         outputs, vjp, (losses, inputs), grad_vjp = stats.layer_outputs_vjp(
             processed, s, records, full=full, per_example=_summed(grouping, needs)
         )
+        empty = [tuple(x.inputs.shape) for x in losses if 0 in x.inputs.shape[:-1]]
+        if empty:
+            raise ValueError(
+                f"`{self.caller}`: `batch` holds no examples: the registered loss "
+                f"outputs are shaped {empty}, and curvature is a mean over "
+                "examples. Pass a batch of at least one."
+            )
         per_loss = loss_vectors(self.estimator, losses, key)
         vectors = stacked_vectors(per_loss)
         grads = None
@@ -302,11 +310,13 @@ class Builder(eqx.Module):
                     lambda v: stacked_vectors(
                         [self.estimator.example_vectors(x) for x in v]
                     ),
-                    leaves,
+                    probe(processed, s, leaves),
                 )
                 rows = _unit_rows(processed, rest, dict(zip(leaves, vecs)))
             else:
-                mismatch = examples_mismatch(one, full_inputs)
+                leaves = sorted({processed.units[i][0] for i in parts})
+                along = probe(processed, s, leaves)
+                mismatch = examples_mismatch(one, full_inputs, along)
         if shifts:
             shapes = {i: processed.unit_shape(s.params, i)[0] for i in shifted}
             records = [r for g in shifts for r in g.records]

@@ -45,9 +45,11 @@ class IndependentExamples(AbstractExamples):
     """Examples do not interact inside `loss_fn` (the default).
 
     Per-example vectors come from re-running `loss_fn` on one example at a time; the
-    outputs of that run are compared with the same example's outputs in the full
-    batch, and a mismatch (batch statistics, shared randomness, a wrong example
-    axis) raises an error.
+    outputs of that run, and their derivative along a fixed pseudo-random parameter
+    direction, are compared with the same example's in the full batch, and a
+    mismatch (batch statistics, shared randomness, a wrong example axis, a
+    straight-through `m - jax.lax.stop_gradient(m)` of a batch mean, zero in value
+    but not in derivative) raises an error.
 
     **Arguments:**
 

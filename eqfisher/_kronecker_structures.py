@@ -5,7 +5,9 @@ import abc
 from typing import ClassVar
 
 import equinox as eqx
+import jax
 
+from . import filters
 from ._structure_protocol import (
     AbstractStructure,
     Group,
@@ -60,14 +62,22 @@ class AbstractKroneckerStructure(AbstractStructure):
 
     def groups(self, candidates, model, caller):
         for g in candidates:
-            if g.unsupported is not None:
+            if g.unsupported is None:
+                continue
+            head = f"`{caller}(..., structure={self!r})`: layer `{g.name}` "
+            if len(candidates) == 1:
                 raise ValueError(
-                    f"`{caller}(..., structure={self!r})`: layer `{g.name}` "
-                    f"{g.unsupported}. Exclude it with `where=` (e.g. "
-                    f"`~eqfisher.filters.by_path('{g.name}.*')`), give it another "
-                    "structure with eqfisher.PerLayer, or use "
-                    "structure=eqfisher.Diagonal()."
+                    f"{head}{g.unsupported}, and it holds every parameter selected. "
+                    "Use another structure for it: structure=eqfisher.Diagonal(), "
+                    "eqfisher.BlockDiagonal() or eqfisher.Dense()."
                 )
+            where = _selecting(g, model)
+            raise ValueError(
+                f"{head}{g.unsupported}. Exclude it with `where=~{where}`, give it "
+                f"another structure with `structure=eqfisher.PerLayer(({where}, "
+                f"eqfisher.Diagonal()), default={self!r})`, or use "
+                "structure=eqfisher.Diagonal()."
+            )
         return candidates
 
     @abc.abstractmethod
@@ -85,6 +95,23 @@ class AbstractKroneckerStructure(AbstractStructure):
         if group.kronecker:
             return self.kronecker_block(group, statistics)
         return statistics.diagonal()
+
+
+def _selecting(group: Group, model) -> str:
+    """A filter, written out, that selects exactly the parameters of `group`: its
+    name's `by_path('name.*')` where that is exact, else one `by_path` per path."""
+    params = [
+        p
+        for p, x in jax.tree_util.tree_flatten_with_path(model)[0]
+        if eqx.is_inexact_array(x)
+    ]
+    pattern = f"{group.name}.*"
+    by_name = filters.by_path(pattern)
+    chosen = {jax.tree_util.keystr(p) for p in params if by_name(p, None, ())}
+    if chosen == set(group.paths):
+        return f"eqfisher.filters.by_path({pattern!r})"
+    each = [f"eqfisher.filters.by_path({p.removeprefix('.')!r})" for p in group.paths]
+    return each[0] if len(each) == 1 else f"({' | '.join(each)})"
 
 
 class KFAC(AbstractKroneckerStructure):

@@ -10,8 +10,10 @@ Two ways, both checked against the examples computed alone:
   forward and the vector pullback that K-FAC's factors use anyway.
 
 The second needs no backward pass per example; what stays per example is a forward
-(`examples_mismatch`) that checks the examples do not interact, the same check the
-per-example pass makes.
+with a tangent (`examples_mismatch`) that checks the examples do not interact, the
+same check the per-example pass makes: each example's outputs computed alone, and
+their derivative along a fixed parameter direction, against the full batch's (one
+more JVP of the full batch, `probe`).
 """
 
 import dataclasses
@@ -35,13 +37,16 @@ from .losses import loss_tag_p
 
 INTERACTION = (
     "examples interact inside `loss_fn`: the registered loss outputs of an example "
-    "computed alone differ from that example's outputs in the full batch, so the "
+    "computed alone differ from that example's outputs in the full batch (in value, "
+    "or in their derivative in the parameters), so the "
     "per-example Jacobians that Dense, BlockDiagonal, Diagonal, EKFAC's scales and "
     "K-FAC's diagonal blocks use would be wrong. Likely causes: BatchNorm with batch "
     "statistics (eqx.nn.BatchNorm in training mode, either `mode`); a batch whose "
     "example axis is not the first (time-major `(T, N, F)` data: pass "
     "`examples=eqfisher.IndependentExamples(axis=...)`); randomness shared across "
-    "the batch (one dropout key for all examples: split one key per example). "
+    "the batch (one dropout key for all examples: split one key per example); a "
+    "term zero in value but not in derivative, as a straight-through "
+    "`m - jax.lax.stop_gradient(m)` of a batch mean `m`. "
     "Fix: pass `examples=eqfisher.InteractingExamples()` for the exact curvature "
     "from full-batch products (cost ∝ batch × outputs), run the model in inference "
     "mode, or use structure=eqfisher.KFAC() on its layers."
@@ -95,6 +100,44 @@ class OneExample:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """A tangent of some parameter leaves and the registered losses' inputs'
+    tangents along it in the full batch (`probe`).
+
+    Equal values do not prove that examples do not interact: a straight-through
+    term `m - stop_gradient(m)` of a batch mean `m` is zero in value, but not in
+    derivative. So each example's outputs computed alone are compared with the
+    batch's along this tangent too (a fixed pseudo-random one: a coupling is
+    missed only for directions of measure zero).
+    """
+
+    leaves: tuple[int, ...]
+    direction: tuple[Array, ...]
+    full: tuple[Array, ...]
+
+
+def probe(processed: ProcessedTrace, s: Split, leaves: Sequence[int]) -> Probe:
+    """The `Probe` of the given parameter leaves: one JVP of the full batch."""
+    leaves = tuple(leaves)
+    keys = jax.random.split(jax.random.key(0), max(len(leaves), 1))
+    direction = tuple(
+        jax.random.normal(k, s.params[i].shape, s.params[i].dtype)
+        for k, i in zip(keys, leaves)
+    )
+    params = jax.lax.stop_gradient(list(s.params))
+
+    def fn(sel):
+        p = list(params)
+        for i, leaf in zip(leaves, sel):
+            p[i] = leaf
+        ev = processed.run(p + s.others + s.batch)
+        return tuple(t[0] for t in ev.tags)
+
+    _, full = jax.jvp(fn, (tuple(params[i] for i in leaves),), (direction,))
+    return Probe(leaves, direction, full)
+
+
 def one_example(
     traced: Traced, model, batch, full_inputs: Sequence[Array], axis
 ) -> OneExample:
@@ -119,6 +162,12 @@ def one_example(
             "products; also for examples that interact, as through BatchNorm with "
             "batch statistics)."
         )
+    if n == 0:
+        raise ValueError(
+            f"`{caller}`: `batch` holds no examples (its arrays are shaped "
+            f"{[tuple(x.shape) for x in s.batch]}, with example axes {axes}); "
+            "curvature is a mean over examples. Pass a batch of at least one."
+        )
     one_leaves = [
         x if a is None else jax.lax.slice_in_dim(x, 0, 1, axis=a)
         for x, a in zip(s.batch, axes)
@@ -128,7 +177,23 @@ def one_example(
         jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(b_dyn), one_leaves),
         b_static,
     )
-    processed = traced.trace(split(model, one), layers=False)  # only run
+    try:
+        processed = traced.trace(split(model, one), layers=False)  # only run
+    except Exception as e:
+        raise ValueError(
+            f"`{caller}`: this structure needs per-example Jacobians, so eqfisher "
+            "re-ran `loss_fn` on one example (every array of `batch` cut to size 1 "
+            f"along its example axis: {axes}, shapes "
+            f"{[tuple(x.shape) for x in one_leaves]}), and that run failed: "
+            f"{type(e).__name__}: {_first_line(e)}. Likely causes: a batch size "
+            "written into `loss_fn` (use the shapes of `batch` instead), or "
+            "example axes other than those of "
+            "`examples=` (say where they are with "
+            "`examples=eqfisher.IndependentExamples(axis=...)`, as `jax.vmap`'s "
+            "`in_axes`). Or pass `examples=eqfisher.InteractingExamples()`, "
+            "which never re-runs `loss_fn` (exact, from full-batch products), or "
+            "use `structure=eqfisher.KFAC()`."
+        ) from e
     one_shapes = [
         node.eqn.invars[0].aval.shape
         for node in processed.program.nodes
@@ -148,6 +213,11 @@ def one_example(
     return OneExample(s, axes, n, processed, loss_axes)  # pyright: ignore
 
 
+def _first_line(e: Exception) -> str:
+    lines = str(e).splitlines()
+    return lines[0].rstrip(".") if lines else ""
+
+
 def _loss_axis(full: tuple[int, ...], one: tuple[int, ...], n: int) -> int | None:
     """The axis where a loss's full-batch shape has `n` and its one-example shape 1."""
     if len(full) != len(one):
@@ -165,22 +235,22 @@ def per_example_vectors(
     per_loss: Sequence[Array],
     full_inputs: Sequence[Array],
     prepare: Callable[[list[Array]], tuple[Array, ...]],
-    selected: Sequence[int],
+    along: Probe,
 ) -> tuple[list[Array], Array]:
-    """Uₙₖ = Jₙᵀ V[k, n] for every example n and vector k, for the selected leaves,
-    each example computed alone.
+    """Uₙₖ = Jₙᵀ V[k, n] for every example n and vector k, for the leaves of
+    `along`, each example computed alone.
 
     The loss weights come from the full batch (inside `per_loss`, each
     `(k, *leading, out)`); `prepare` turns the vectors, with the example axis moved
     first, into stacked per-example vectors. Returns one `(N·K, *leaf.shape)` array
-    per selected leaf, and whether the examples computed alone differ from the
-    batch's (`OneExample.mismatch`).
+    per leaf, and whether the examples computed alone differ from the batch's, in
+    value or along the probe's tangent (`OneExample.mismatch`).
     """
     s = one.s
     vectors = prepare(
         [jnp.moveaxis(v, 1 + a, 1) for v, a in zip(per_loss, one.loss_axes)]
     )
-    selected = list(selected)
+    selected = list(along.leaves)
 
     def example(ex_leaves, v):
         def fn(sel):
@@ -189,23 +259,37 @@ def per_example_vectors(
                 p[i] = leaf
             return one.run(p, ex_leaves)
 
-        outs, vjp = jax.vjp(fn, [s.params[i] for i in selected])
+        # One linearisation for the tangent of the probe and the pullbacks.
+        outs, jvp = jax.linearize(fn, [s.params[i] for i in selected])
+        vjp = jax.linear_transpose(jvp, [s.params[i] for i in selected])
         rows = jax.vmap(lambda c: vjp(tuple(c))[0])(v)
-        return rows, outs
+        return rows, outs, jvp(list(along.direction))
 
     vs = tuple(jnp.moveaxis(v, 1, 0) for v in vectors)  # (N, K, ...)
-    out, alone = jax.vmap(example, in_axes=(list(one.axes), 0))(s.batch, vs)
-    mismatch = one.mismatch(full_inputs, alone)
+    out, alone, tangents = jax.vmap(example, in_axes=(list(one.axes), 0))(s.batch, vs)
+    mismatch = one.mismatch(full_inputs, alone) | one.mismatch(along.full, tangents)
     return [x.reshape((-1,) + x.shape[2:]) for x in out], mismatch
 
 
-def examples_mismatch(one: OneExample, full_inputs: Sequence[Array]) -> Array:
-    """`OneExample.mismatch` from a forward per example (no backward)."""
+def examples_mismatch(
+    one: OneExample, full_inputs: Sequence[Array], along: Probe
+) -> Array:
+    """`OneExample.mismatch`, in value and along the probe's tangent, from a
+    forward (JVP) per example (no backward)."""
     params = jax.lax.stop_gradient(list(one.s.params))
-    alone = jax.vmap(lambda ex: one.run(params, ex), in_axes=(list(one.axes),))(
-        one.s.batch
-    )
-    return one.mismatch(full_inputs, alone)
+
+    def example(ex):
+        def fn(sel):
+            p = list(params)
+            for i, leaf in zip(along.leaves, sel):
+                p[i] = leaf
+            return one.run(p, ex)
+
+        primals = tuple(params[i] for i in along.leaves)
+        return jax.jvp(fn, (primals,), (along.direction,))
+
+    alone, tangents = jax.vmap(example, in_axes=(list(one.axes),))(one.s.batch)
+    return one.mismatch(full_inputs, alone) | one.mismatch(along.full, tangents)
 
 
 # --- scale-and-shift rows from the main pass ------------------------------------

@@ -89,6 +89,15 @@ class AbstractLossFamily(eqx.Module):
     def check_targets(self, inputs: Array, targets: Array, caller: str) -> None:
         """Raises `TypeError`/`ValueError` when `targets` do not fit `inputs`."""
 
+    def checked_targets(
+        self, inputs: Array, targets: Array, mask: Array, caller: str
+    ) -> Array:
+        """`targets`, checked where their values (not only their shapes) can be
+        wrong; by default unchanged. Called after `check_targets`; `mask` holds the
+        per-example weights (0 for padding)."""
+        del inputs, mask, caller
+        return targets
+
     def output_gradient(
         self, inputs: Float[Array, "*leading out"], targets: Shaped[Array, "..."]
     ) -> Float[Array, "*leading out"]:
@@ -167,15 +176,40 @@ class Categorical(AbstractLossFamily):
                 )
         elif jnp.issubdtype(targets.dtype, jnp.floating):
             if targets.shape != inputs.shape:
+                hint = (
+                    " Class ids must be integers: pass `labels.astype(jnp.int32)`."
+                    if targets.shape == inputs.shape[:-1]
+                    else ""
+                )
                 raise ValueError(
-                    f"`{caller}(logits, labels)`: probability `labels` must have the "
-                    f"shape of `logits` {inputs.shape}, got {targets.shape}."
+                    f"`{caller}(logits, labels)`: probability `labels` (floats) "
+                    f"must have the shape of `logits` {inputs.shape}, got "
+                    f"{targets.shape}.{hint}"
                 )
         else:
             raise TypeError(
                 f"`{caller}(logits, labels)`: `labels` must be integer class ids or "
                 f"float probabilities, got dtype {targets.dtype}."
             )
+
+    def checked_targets(self, inputs, targets, mask, caller):
+        if not jnp.issubdtype(targets.dtype, jnp.integer):
+            return targets
+        classes = inputs.shape[-1]
+        # Padding ids (e.g. -1) are allowed where the mask is 0; they are replaced by
+        # class 0 there so that the (zero-weighted) loss stays finite.
+        bad = ((targets < 0) | (targets >= classes)) & (mask != 0)
+        message = (
+            f"`{caller}(logits, labels)`: integer `labels` must be class ids in "
+            f"[0, {classes}) (logits.shape[-1] = {classes}); for padding, give those "
+            "examples weight 0 with `mask=`."
+        )
+        if isinstance(targets, jax.core.Tracer) or isinstance(mask, jax.core.Tracer):
+            targets = eqx.error_if(targets, bad, message)
+        elif bool(jnp.any(bad)):
+            first = targets[bad][0]
+            raise ValueError(f"{message} Got {int(first)}.")
+        return jnp.where(mask != 0, targets, jnp.zeros_like(targets))
 
 
 class Bernoulli(AbstractLossFamily):
@@ -351,6 +385,7 @@ def register_loss(
                 f"(the leading axes of the outputs), got {mask.shape}."
             )
         mask = mask.astype(inputs.dtype)
+    targets = family.checked_targets(inputs, targets, mask, caller)
     tagged = loss_tag_p.bind(inputs, targets, mask, family=family)
     value = jnp.sum(mask * family.per_example(tagged, targets)) / jnp.sum(mask)
     return loss_value_tag_p.bind(value)
@@ -381,6 +416,9 @@ def softmax_cross_entropy(
       logits) or the targets have the wrong kind of dtype.
     - `ValueError` when the outputs have fewer than two axes, or the targets or
       `mask` do not fit their shape; the message gives the shapes expected.
+    - `ValueError` (under `jit`, Equinox's runtime error) when an integer label
+      lies outside `[0, classes)` where the mask is not 0. Padding labels (e.g.
+      -1) are allowed where `mask` is 0.
 
     !!! Example
 

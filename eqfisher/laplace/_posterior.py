@@ -14,6 +14,7 @@ from .._curvature import Curvature, curvature
 from .._estimators import GGN, AbstractEstimator
 from .._structures import AbstractStructure
 from .._tracing import loss_tags_jvp
+from ..losses import Bernoulli, Categorical, Gaussian
 from ._blockwise import (
     block_size,
     block_values,
@@ -24,6 +25,25 @@ from ._blockwise import (
 
 
 Likelihood = Literal["classification", "regression"]
+
+# The likelihood each built-in loss family is the negative log of.
+_LIKELIHOODS = {
+    Categorical: "classification",
+    Bernoulli: "classification",
+    Gaussian: "regression",
+}
+
+
+def _positive(value, dtype, call: str, name: str) -> Array:
+    """`value` as an array of `dtype`, after checking it is positive and finite (at
+    run time, with `eqx.error_if`, when it is traced)."""
+    message = f"`{call}(..., {name}=...)`: `{name}` must be positive and finite"
+    if isinstance(value, jax.core.Tracer):
+        bad = ~(jnp.isfinite(value) & (value > 0))
+        return eqx.error_if(jnp.asarray(value, dtype), bad, message + ".")
+    if not (math.isfinite(float(value)) and float(value) > 0):
+        raise ValueError(f"{message}, got {value!r}.")
+    return jnp.asarray(value, dtype)
 
 
 def _prior_dict(curv: Curvature, prior_precision, dtype) -> dict[str, Array]:
@@ -44,7 +64,8 @@ def _prior_dict(curv: Curvature, prior_precision, dtype) -> dict[str, Array]:
                 "`eqfisher.laplace.Laplace(..., prior_precision=...)`: expected a "
                 f"scalar (or a dict of scalars), got shape {jnp.shape(v)} for `{n}`."
             )
-    return {n: jnp.asarray(v, dtype) for n, v in values.items()}
+    call = "eqfisher.laplace.Laplace"
+    return {n: _positive(v, dtype, call, "prior_precision") for n, v in values.items()}
 
 
 class Laplace(eqx.Module):
@@ -130,6 +151,9 @@ class Laplace(eqx.Module):
             (the names of `curvature.blocks`: per layer with a block structure).
         - `noise_std`: $\sigma > 0$, regression only (default 1).
         - `temperature`: $T > 0$.
+
+        `prior_precision`, `noise_std` and `temperature` that are not positive and
+        finite raise `ValueError` (under `jit`, Equinox's runtime error).
         - `num_outputs`: $D$, regression only: the Gaussian normaliser is
             $N D \log(\sigma \sqrt{2\pi})$.
         """
@@ -155,8 +179,10 @@ class Laplace(eqx.Module):
         self.loss = jnp.asarray(loss, dtype)
         self.num_data = jnp.asarray(num_data, dtype)
         self.prior_precision = _prior_dict(curvature, prior_precision, dtype)
-        self.noise_std = jnp.asarray(1.0 if noise_std is None else noise_std, dtype)
-        self.temperature = jnp.asarray(temperature, dtype)
+        call = "eqfisher.laplace.Laplace"
+        sigma = 1.0 if noise_std is None else noise_std
+        self.noise_std = _positive(sigma, dtype, call, "noise_std")
+        self.temperature = _positive(temperature, dtype, call, "temperature")
         self.likelihood = likelihood
         self.num_outputs = int(num_outputs)
 
@@ -201,9 +227,10 @@ class Laplace(eqx.Module):
                     "`Laplace.replace(noise_std=...)` applies to "
                     "`likelihood='regression'` only."
                 )
-            out = eqx.tree_at(
-                lambda p: p.noise_std, out, jnp.asarray(noise_std, self.loss.dtype)
+            sigma = _positive(
+                noise_std, self.loss.dtype, "Laplace.replace", "noise_std"
             )
+            out = eqx.tree_at(lambda p: p.noise_std, out, sigma)
         return out
 
     def covariance_mv(self, vector: PyTree) -> PyTree:
@@ -395,8 +422,12 @@ def fit(
 
     **Raises:**
 
-    `ValueError` when `loss_fn` registers other than exactly one loss, and the
-    errors of `eqfisher.curvature`.
+    `ValueError` when `loss_fn` registers other than exactly one loss, when
+    `likelihood` contradicts the registered loss (`softmax_cross_entropy` and
+    `sigmoid_cross_entropy` are `"classification"`, `squared_error` is
+    `"regression"`; a custom family is not checked), when `prior_precision`,
+    `noise_std` or `temperature` is not positive, and the errors of
+    `eqfisher.curvature`.
 
     !!! Example
 
@@ -408,15 +439,6 @@ def fit(
         print(la.log_marginal_likelihood())
         ```
     """
-    curv = curvature(
-        loss_fn,
-        model,
-        batch,
-        estimator=estimator,
-        structure=structure,
-        where=where,
-        key=key,
-    )
     zeros = jax.tree_util.tree_map(
         jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array)
     )
@@ -428,6 +450,23 @@ def fit(
             "yourself from a curvature, the loss value and N."
         )
     (registered,) = losses
+    expected = _LIKELIHOODS.get(type(registered.family))
+    if expected is not None and likelihood != expected:
+        raise ValueError(
+            f"`eqfisher.laplace.fit(..., likelihood={likelihood!r})`: `loss_fn` "
+            f"registers a `{type(registered.family).__name__}` loss (family "
+            f"{registered.family.name!r}), whose likelihood is {expected!r}; pass "
+            f"`likelihood={expected!r}`."
+        )
+    curv = curvature(
+        loss_fn,
+        model,
+        batch,
+        estimator=estimator,
+        structure=structure,
+        where=where,
+        key=key,
+    )
     return Laplace(
         curv,
         model,

@@ -13,6 +13,7 @@ from ._kfac import fold, guard, initial_state, precondition
 from ._state import (
     KFACState,
     check_preconditioner_args,
+    require_estimate,
 )
 
 
@@ -71,7 +72,9 @@ def kfac_adaptive(
 
     An `optax.GradientTransformationExtraArgs`; call `update(grads, state, params,
     curvature=curv, quadratic=eqfisher.optim.quadratic_model(loss_fn, model,
-    batch))`. The result is the full update (no learning rate to apply).
+    batch))`. The result is the full update (no learning rate to apply). An
+    update without `curvature=` before any curvature has been received raises (a
+    `ValueError`; under `jit`, Equinox's runtime error).
 
     !!! Example
 
@@ -116,7 +119,9 @@ def kfac_adaptive(
                 lambda g, p: g + weight_decay * p, updates, params
             )
         kstate = state.kfac
-        if curvature is not None:
+        if curvature is None:
+            updates = require_estimate(caller, updates, kstate)
+        else:
             lam = state.steps.damping
             kstate = fold(kstate, curvature, lam, decay, inverse_every, exact)
         direction, kstate = guard(precondition(updates, kstate), kstate)

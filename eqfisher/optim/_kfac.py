@@ -14,6 +14,8 @@ from ._state import (
     all_finite,
     check_preconditioner_args,
     check_range,
+    checked_at,
+    require_estimate,
     value_at,
     where_tree,
 )
@@ -159,6 +161,15 @@ def kfac_preconditioner(
     (counted in `state.nonfinite_count`); a non-finite update is replaced by zero
     (counted in `state.skipped_count`).
 
+    **Raises:**
+
+    `ValueError` (or `TypeError`) for arguments out of range (see `kfac`). At
+    `update` (under `jit`, Equinox's runtime error): an update without
+    `curvature=` before any curvature has been received (K-FAC is not a plain
+    optax optimiser: it needs curvature estimates), and a `damping` schedule
+    value that is not finite and positive or a `learning_rate` schedule value
+    that is not finite and non-negative.
+
     !!! Example
 
         With exact damping and no norm constraint, the direction is
@@ -186,25 +197,57 @@ def kfac_preconditioner(
         assert loss_fn(stepped, batch) < loss_fn(model, batch)
         ```
     """
-    caller = "kfac_preconditioner"
+    return _preconditioner(
+        "kfac_preconditioner",
+        like=like,
+        damping=damping,
+        decay=decay,
+        inverse_every=inverse_every,
+        damping_variant=damping_variant,
+        norm_constraint=norm_constraint,
+        learning_rate=learning_rate,
+    )
+
+
+def _preconditioner(
+    caller: str,
+    *,
+    like: Curvature,
+    damping: ScalarOrSchedule,
+    decay: float,
+    inverse_every: int,
+    damping_variant: AbstractDamping,
+    norm_constraint: float | None,
+    learning_rate: ScalarOrSchedule,
+) -> optax.GradientTransformationExtraArgs:
+    """`kfac_preconditioner`, with `caller` (the public function called) named in
+    its errors."""
     check_preconditioner_args(caller, like, "damping", damping, decay, inverse_every)
+    check_range(caller, "learning_rate", learning_rate, 0.0, None, True)
     if norm_constraint is not None:
         check_range(caller, "norm_constraint", norm_constraint, 0.0, None, False)
+
+    def damping_at(count):
+        lam = value_at(damping, count)
+        return checked_at(caller, "damping", lam, lam, allow_zero=False)
 
     def init(params):
         del params
         return initial_state(
-            like, value_at(damping, jnp.zeros((), jnp.int32)), damping_variant
+            like, damping_at(jnp.zeros((), jnp.int32)), damping_variant
         )
 
     def update(updates, state, params=None, *, curvature=None, **extra):
         del params, extra
-        if curvature is not None:
-            lam = value_at(damping, state.count)
+        if curvature is None:
+            updates = require_estimate(caller, updates, state)
+        else:
+            lam = damping_at(state.count)
             state = fold(state, curvature, lam, decay, inverse_every, damping_variant)
         direction = precondition(updates, state)
+        lr = value_at(learning_rate, state.count)
+        direction = checked_at(caller, "learning_rate", lr, direction, allow_zero=True)
         if norm_constraint is not None:
-            lr = value_at(learning_rate, state.count)
             direction = _constrain(direction, updates, norm_constraint, lr)
         return guard(direction, state)
 
@@ -244,9 +287,12 @@ def kfac(
     **Raises:**
 
     `ValueError` (or `TypeError`) when `like` is not a `Curvature`, when
-    `damping`, `decay` or `norm_constraint` is out of range, or when
-    `inverse_every` is not a positive integer; at `update`, a `ValueError` when
-    `curvature=` has other blocks or shapes than `like`.
+    `learning_rate`, `damping`, `decay` or `norm_constraint` is out of range, or
+    when `inverse_every` is not a positive integer; at `update`, a `ValueError`
+    when `curvature=` has other blocks or shapes than `like`. At `update` too
+    (under `jit`, Equinox's runtime error): an update without `curvature=` before
+    any curvature has been received, and schedule values out of range (`damping`
+    not finite and positive, `learning_rate` not finite and non-negative).
 
     !!! Example
 
@@ -263,7 +309,8 @@ def kfac(
         ```
     """
     parts = [
-        kfac_preconditioner(
+        _preconditioner(
+            "kfac",
             like=like,
             damping=damping,
             decay=decay,

@@ -1,5 +1,7 @@
 """The K-FAC optimiser state, its defaults and shared checks."""
 
+import contextlib
+import contextvars
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -85,7 +87,10 @@ def check_range(
     v = float(value)
     ok = (v >= low if closed else v > low) and (high is None or v < high)
     if not ok:
-        bounds = f"[{low}, {high})" if closed else f"> {low}"
+        if high is None:
+            bounds = f">= {low}" if closed else f"> {low}"
+        else:
+            bounds = f"in [{low}, {high})" if closed else f"in ({low}, {high})"
         raise ValueError(
             f"`eqfisher.optim.{caller}(..., {name}=...)`: `{name}` must be "
             f"{bounds}, got {value!r}."
@@ -123,6 +128,66 @@ def check_preconditioner_args(
     check_range(caller, damping_name, damping, 0.0, None, False)
     check_range(caller, "decay", decay, 0.0, 1.0, True)
     check_positive_int(caller, "inverse_every", inverse_every)
+
+
+def checked_at(
+    caller: str, name: str, value: Array, carrier: PyTree, *, allow_zero: bool
+) -> PyTree:
+    """`carrier`, after checking that the value `value` of the `name=` schedule (or
+    constant) is finite and positive (non-negative with `allow_zero`): a concrete
+    value that is not raises `ValueError`, a traced one Equinox's runtime error
+    (`eqx.error_if`, attached to `carrier`)."""
+    bound = ">= 0" if allow_zero else "> 0"
+    message = (
+        f"`eqfisher.optim.{caller}(..., {name}=...)`: `{name}` must be finite and "
+        f"{bound} at every update; a schedule returned a value that is not. Fix or "
+        f"clip the schedule (e.g. `lambda n: jnp.maximum(schedule(n), 1e-8)`)."
+    )
+    value = jnp.asarray(value)
+    ok = jnp.isfinite(value) & ((value >= 0) if allow_zero else (value > 0))
+    if isinstance(ok, jax.core.Tracer):
+        return eqx.error_if(carrier, ~ok, message)
+    if not bool(ok):
+        raise ValueError(f"{message} Got {value.item()!r}.")
+    return carrier
+
+
+# Set while `kfac_step` traces its steps between curvature estimates, which are
+# never before the first (step 0 always computes one). Under `vmap` with a batched
+# step count, `lax.cond` runs both branches, and the check of `require_estimate` in
+# the branch not taken would fail at step 0.
+_BETWEEN_ESTIMATES = contextvars.ContextVar("between_estimates", default=False)
+
+
+@contextlib.contextmanager
+def between_estimates():
+    """Traces updates known to follow a curvature estimate (see `require_estimate`)."""
+    token = _BETWEEN_ESTIMATES.set(True)
+    try:
+        yield
+    finally:
+        _BETWEEN_ESTIMATES.reset(token)
+
+
+def require_estimate(caller: str, updates: PyTree, state: "KFACState") -> PyTree:
+    """`updates`, after checking that a curvature estimate has been received: an
+    update without `curvature=` before any has nothing to precondition with."""
+    if _BETWEEN_ESTIMATES.get():
+        return updates
+    message = (
+        f"`eqfisher.optim.{caller}(...).update(grads, state, params)`: no "
+        "`curvature=` given, and none received before, so there is nothing to "
+        "precondition with (the update would be zero). Pass "
+        "`update(grads, state, params, curvature=curv)` with `curv` from "
+        "`eqfisher.value_grad_and_curvature` at the first update (and whenever "
+        "statistics are due), or train with `eqfisher.optim.kfac_step`."
+    )
+    none = state.curvature_count + state.nonfinite_count == 0
+    if isinstance(none, jax.core.Tracer):
+        return eqx.error_if(updates, none, message)
+    if bool(none):
+        raise ValueError(message)
+    return updates
 
 
 def all_finite(tree: PyTree) -> Array:

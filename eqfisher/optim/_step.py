@@ -13,6 +13,7 @@ from .._curvature import value_grad_and_curvature
 from .._estimators import AbstractEstimator
 from .._structures import AbstractStructure
 from ._state import (
+    between_estimates,
     check_positive_int,
     find_kfac_state,
 )
@@ -150,7 +151,8 @@ def _shared_forward_update(
 
     def plain():
         loss, grads = value_and_grad(model, batch)
-        return loss, *optimiser.update(grads, opt_state, params)
+        with between_estimates():
+            return loss, *optimiser.update(grads, opt_state, params)
 
     return _every(period, opt_state, statistics, plain)
 
@@ -164,12 +166,17 @@ def _separate_update(
     params = eqx.filter(model, eqx.is_inexact_array)
     loss, grads = value_and_grad(model, batch)
     sub = _leading(batch, batch_size)
+
+    def plain():
+        with between_estimates():
+            return optimiser.update(grads, opt_state, params)
+
     updates, opt_state = _every(
         period,
         opt_state,
         lambda: optimiser.update(
             grads, opt_state, params, curvature=vgc(model, sub, key=key)[2]
         ),
-        lambda: optimiser.update(grads, opt_state, params),
+        plain,
     )
     return loss, updates, opt_state

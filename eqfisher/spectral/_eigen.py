@@ -57,13 +57,22 @@ def top_eigenpairs(
     caller = "eqfisher.spectral.top_eigenpairs"
     flat = flatten(operator, caller)
     check_count(k, "k", caller)
+    if k > flat.size:
+        raise ValueError(
+            f"`{caller}(operator, k={k})`: `k` must be at most the operator's size "
+            f"{flat.size} (the parameters it covers); pass `k <= {flat.size}`, or "
+            "take every eigenpair from `jnp.linalg.eigh(operator.as_matrix())`."
+        )
     if iterations is None:
         iterations = min(flat.size, max(2 * k + 20, 40))
-    check_count(iterations, "iterations", caller, minimum=k)
-    if iterations > flat.size or k > flat.size:
+    elif not isinstance(iterations, int) or isinstance(iterations, bool):
+        check_count(iterations, "iterations", caller)
+    elif not k <= iterations <= flat.size:
         raise ValueError(
-            f"`{caller}(..., k={k}, iterations={iterations})`: both must be at most "
-            f"the operator's size {flat.size}."
+            f"`{caller}(operator, k={k}, iterations={iterations})`: `iterations` "
+            f"must lie in [k, size] = [{k}, {flat.size}] (at least one Lanczos "
+            "step per eigenpair, at most one per parameter); leave it out for "
+            "the default."
         )
     if which not in ("largest", "smallest"):
         raise ValueError(

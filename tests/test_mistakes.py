@@ -1,0 +1,401 @@
+"""Ordinary user mistakes: each raises an error that names the call, the argument
+and the fix, or gives the right answer (checked against dense float64 references
+built without eqfisher, tests/helpers.py)."""
+
+import functools as ft
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import dense_empirical_fisher, dense_ggn
+
+import eqfisher
+import eqfisher as ef
+
+
+F64 = jnp.float64
+N, D_IN, CLASSES = 6, 3, 4
+
+
+@ft.cache
+def _problem():
+    model = eqx.nn.MLP(
+        D_IN, CLASSES, 5, 1, activation=jnp.tanh, dtype=F64, key=jax.random.key(0)
+    )
+    x = jax.random.normal(jax.random.key(1), (N, D_IN), F64)
+    y = jnp.array([0, 1, 2, 3, 0, 1])
+    return model, (x, y)
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
+
+
+def _params(model):
+    return eqx.filter(model, eqx.is_inexact_array)
+
+
+@ft.cache
+def _vgc():
+    return ef.value_grad_and_curvature(loss_fn, estimator=ef.GGN(), structure=ef.KFAC())
+
+
+# --- 1. K-FAC used as a plain optax optimiser ------------------------------------
+
+
+@pytest.mark.parametrize("make", [ef.optim.kfac, ef.optim.kfac_preconditioner])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_kfac_update_without_any_curvature_raises(make, jit):
+    model, batch = _problem()
+    _, grads, curv = _vgc()(model, batch)
+    kwargs = {"like": curv}
+    opt = make(0.1, **kwargs) if make is ef.optim.kfac else make(**kwargs)
+    params = _params(model)
+    update = eqx.filter_jit(opt.update) if jit else opt.update
+    error = eqx.EquinoxRuntimeError if jit else ValueError
+    with pytest.raises(error, match=r"no `curvature=` given.*curvature=curv"):
+        update(grads, opt.init(params), params)
+    # Once a curvature has been received, updates without one are the amortised
+    # steps between estimates: they precondition with the cached inverse.
+    _, state = update(grads, opt.init(params), params, curvature=curv)
+    updates, _ = update(grads, state, params)
+    assert any(bool(jnp.any(u != 0)) for u in jax.tree.leaves(updates))
+
+
+def test_kfac_step_between_estimates_passes_the_check_under_vmap():
+    # An ensemble: `vmap` over models and states batches the step count, so
+    # `kfac_step`'s `lax.cond` runs both branches, the one without curvature at
+    # step 0 too; the check must not fire in the branch not taken.
+    _, batch = _problem()
+    like = ef.optim.curvature_like(_vgc(), *_problem())
+    opt = ef.optim.kfac(0.1, like=like)
+    step = ef.optim.kfac_step(
+        loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC(), curvature_update_period=2
+    )
+    keys = jax.random.split(jax.random.key(4), 2)
+    models = eqx.filter_vmap(
+        lambda k: eqx.nn.MLP(D_IN, CLASSES, 5, 1, activation=jnp.tanh, dtype=F64, key=k)
+    )(keys)
+    states = eqx.filter_vmap(opt.init)(_params(models))
+    assert ef.optim.find_kfac_state(states).count.shape == (2,)
+    ensemble = eqx.filter_vmap(step, in_axes=(eqx.if_array(0), eqx.if_array(0), None))
+    for _ in range(3):
+        models, states, loss = ensemble(models, states, batch)
+    kstate = ef.optim.find_kfac_state(states)
+    assert kstate.curvature_count.tolist() == [2, 2]
+    assert bool(jnp.all(jnp.isfinite(loss)))
+
+
+# --- 2. schedules with values out of range, under jit ----------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(damping=lambda n: jnp.where(n > 0, -0.1, 1e-3)), "damping"),
+        (dict(damping=lambda n: jnp.where(n > 0, jnp.nan, 1e-3)), "damping"),
+        (dict(learning_rate=lambda n: jnp.where(n > 0, jnp.nan, 0.1)), "learning_rate"),
+    ],
+    ids=["negative-damping", "nan-damping", "nan-learning-rate"],
+)
+def test_schedule_values_out_of_range_raise_under_jit(kwargs, name):
+    model, batch = _problem()
+    _, grads, curv = _vgc()(model, batch)
+    kwargs = {"learning_rate": 0.1} | kwargs
+    opt = ef.optim.kfac(kwargs.pop("learning_rate"), like=curv, **kwargs)
+    params = _params(model)
+    update = eqx.filter_jit(opt.update)
+    _, state = update(grads, opt.init(params), params, curvature=curv)  # n = 0: fine
+    with pytest.raises(
+        eqx.EquinoxRuntimeError,
+        match=rf"kfac\(\.\.\., {name}=.*`{name}` must be finite",
+    ):
+        update(grads, state, params, curvature=curv)
+    # At `init` (the damping at step 0), outside jit: a `ValueError`.
+    if name == "damping":
+        bad = ef.optim.kfac(
+            0.1, like=curv, damping=lambda n: jnp.where(n >= 0, -0.1, 1.0)
+        )
+        with pytest.raises(ValueError, match="`damping` must be finite and > 0"):
+            bad.init(params)
+
+
+# --- 3. batch coupling seen only through derivatives -----------------------------
+
+
+def _straight_through(z):
+    m = jnp.mean(z, axis=0, keepdims=True)
+    return z + (m - jax.lax.stop_gradient(m))  # zero in value, not in derivative
+
+
+def _coupled_loss(model, batch):
+    x, y = batch
+    return ef.softmax_cross_entropy(_straight_through(jax.vmap(model)(x)), y)
+
+
+def _coupled_reference(model, batch):
+    x, y = batch
+    return _dense_ce(lambda m, x: _straight_through(jax.vmap(m)(x)), model, x, y)
+
+
+@pytest.mark.parametrize("structure", [ef.Dense(), ef.Diagonal()], ids=repr)
+@pytest.mark.parametrize("kind", ["mlp", "layernorm"])
+def test_coupling_through_derivatives_is_detected(structure, kind):
+    model, batch = _problem()
+    if kind == "layernorm":  # per-example rows from the main pass (shift rows)
+        model = eqx.nn.LayerNorm(CLASSES, dtype=F64)
+        batch = (jax.random.normal(jax.random.key(3), (N, CLASSES), F64), batch[1])
+    ref = _coupled_reference(model, batch)
+    with pytest.raises(
+        eqx.EquinoxRuntimeError, match=r"examples interact.*InteractingExamples"
+    ):
+        ef.curvature(
+            _coupled_loss, model, batch, estimator=ef.GGN(), structure=structure
+        )
+    exact = ef.curvature(
+        _coupled_loss,
+        model,
+        batch,
+        estimator=ef.GGN(),
+        structure=ef.Dense(),
+        examples=ef.InteractingExamples(),
+    ).as_matrix()
+    np.testing.assert_allclose(exact, ref, rtol=1e-10, atol=1e-12)
+    # The coupling is not small: the per-example GGN is far from the truth.
+    alone = ef.curvature(
+        loss_fn, model, batch, estimator=ef.GGN(), structure=ef.Dense()
+    )
+    assert np.max(np.abs(alone.as_matrix() - ref)) > 0.05 * np.max(np.abs(ref))
+
+
+# --- 4. class labels out of range ------------------------------------------------
+
+
+@pytest.mark.parametrize("label", [-1, CLASSES])
+@pytest.mark.parametrize("how", ["eager", "jit", "curvature"])
+def test_out_of_range_labels_raise(label, how):
+    model, (x, y) = _problem()
+    batch = (x, y.at[2].set(label))
+    match = rf"softmax_cross_entropy\(logits, labels\).*`labels` must be class ids in \[0, {CLASSES}\)"
+    if how == "eager":
+        with pytest.raises(ValueError, match=match):
+            loss_fn(model, batch)
+    elif how == "jit":
+        with pytest.raises(eqx.EquinoxRuntimeError, match=match):
+            eqx.filter_jit(loss_fn)(model, batch)
+    else:
+        with pytest.raises(eqx.EquinoxRuntimeError, match=match):
+            ef.curvature(
+                loss_fn,
+                model,
+                batch,
+                estimator=ef.EmpiricalFisher(),
+                structure=ef.Dense(),
+            )
+
+
+def test_padding_labels_are_allowed_where_masked():
+    model, (x, y) = _problem()
+    padded = (x, y.at[-1].set(-1), jnp.arange(N) < N - 1)  # the last is padding
+
+    def masked(model, batch):
+        x, y, mask = batch
+        return ef.softmax_cross_entropy(jax.vmap(model)(x), y, mask=mask)
+
+    def per_example(model, example):
+        xn, yn = example
+        return -jax.nn.log_softmax(model(xn))[yn]
+
+    kept = (x[:-1], y[:-1])
+    np.testing.assert_allclose(masked(model, padded), loss_fn(model, kept), rtol=1e-12)
+    curv = ef.curvature(
+        masked, model, padded, estimator=ef.EmpiricalFisher(), structure=ef.Dense()
+    )
+    ref = dense_empirical_fisher(per_example, model, kept)
+    np.testing.assert_allclose(curv.as_matrix(), ref, rtol=1e-10, atol=1e-12)
+
+
+def test_float_class_ids_say_integers_are_expected(unchecked):
+    model, (x, y) = _problem()
+    with pytest.raises(ValueError, match=r"`labels`.*integers.*astype\(jnp.int32\)"):
+        loss_fn(model, (x, y.astype(F64)))
+
+
+# --- 5. and 6. Laplace hyperparameters and likelihood ----------------------------
+
+
+@ft.cache
+def _laplace():
+    model, batch = _problem()
+    return ef.laplace.fit(
+        loss_fn, model, batch, likelihood="classification", structure=ef.Diagonal()
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(prior_precision=0.0), "prior_precision"),
+        (dict(prior_precision=-1.0), "prior_precision"),
+        (dict(prior_precision=float("nan")), "prior_precision"),
+        (dict(noise_std=-1.0), "noise_std"),
+        (dict(noise_std=0.0), "noise_std"),
+        (dict(temperature=0.0), "temperature"),
+    ],
+)
+def test_laplace_hyperparameters_out_of_range_raise(kwargs, name):
+    # `prior_precision=0` used to be reported as "`damping` must be positive".
+    post = _laplace()
+    regression = {"likelihood": "regression", "num_outputs": CLASSES}
+    extra = regression if name == "noise_std" else {"likelihood": "classification"}
+    match = rf"Laplace\(\.\.\., {name}=\.\.\.\)`: `{name}` must be positive"
+    with pytest.raises(ValueError, match=match):
+        ef.laplace.Laplace(
+            post.curvature, post.model, loss=post.loss, num_data=N, **extra, **kwargs
+        )
+    # Traced (e.g. tuned under jit): checked at run time.
+    value = jnp.asarray(next(iter(kwargs.values())), F64)
+    if name == "prior_precision":
+        with pytest.raises(eqx.EquinoxRuntimeError, match=f"`{name}` must be positive"):
+            eqx.filter_jit(
+                lambda p, v: p.replace(prior_precision=v).log_marginal_likelihood()
+            )(post, value)
+
+
+def test_laplace_likelihood_must_fit_the_registered_loss():
+    model, batch = _problem()
+    with pytest.raises(
+        ValueError,
+        match=r"likelihood='regression'.*Categorical.*likelihood='classification'",
+    ):
+        ef.laplace.fit(
+            loss_fn, model, batch, likelihood="regression", structure=ef.Diagonal()
+        )
+
+
+def test_top_eigenpairs_names_k():
+    # k = 100 on 49 parameters used to be reported as "`iterations` must be >= 100".
+    op = ef.ggn_operator(loss_fn, *_problem())
+    size = sum(x.size for x in jax.tree.leaves(_params(_problem()[0])))
+    with pytest.raises(ValueError, match=rf"k=100\)`: `k` must be at most .* {size}"):
+        ef.spectral.top_eigenpairs(op, 100, key=jax.random.key(0))
+    with pytest.raises(
+        ValueError, match=r"`iterations` must lie in \[k, size\] = \[5, "
+    ):
+        ef.spectral.top_eigenpairs(op, 5, key=jax.random.key(0), iterations=3)
+
+
+# --- 7. failures of the one-example re-run of `loss_fn` --------------------------
+
+
+def _hard_coded(model, batch):
+    x, y = batch
+    return ef.softmax_cross_entropy(jax.vmap(model)(x.reshape(N, D_IN)), y)
+
+
+def test_one_example_rerun_failures_say_what_happened():
+    model, (x, y) = _problem()
+    rerun = (
+        r"re-ran `loss_fn` on one example.*examples=eqfisher.InteractingExamples\(\)"
+    )
+    kw = dict(estimator=ef.GGN(), structure=ef.Diagonal())
+    with pytest.raises(ValueError, match=rerun):
+        ef.curvature(_hard_coded, model, (x, y), **kw)
+    # The wrong example axes, with a square batch (every size agrees): the
+    # one-example run feeds the model a feature axis of size 1.
+    square = eqx.nn.MLP(N, CLASSES, 5, 1, dtype=F64, key=jax.random.key(0))
+    xs = jax.random.normal(jax.random.key(1), (N, N), F64)
+    axis = ef.IndependentExamples(axis=(1, 0))
+    with pytest.raises(ValueError, match=rerun) as info:
+        ef.curvature(loss_fn, square, (xs, y), examples=axis, **kw)
+    assert "`examples=eqfisher.IndependentExamples(axis=...)`" in str(info.value)
+    # An empty batch has its own error, for every structure.
+    for structure in (ef.Diagonal(), ef.KFAC()):
+        with pytest.raises(ValueError, match=r"`batch` holds no examples"):
+            ef.curvature(
+                loss_fn, model, (x[:0], y[:0]), estimator=ef.GGN(), structure=structure
+            )
+    # The way out the messages give works: exact, against the dense reference.
+    exact = ef.curvature(
+        _hard_coded,
+        model,
+        (x, y),
+        estimator=ef.GGN(),
+        structure=ef.Dense(),
+        examples=ef.InteractingExamples(),
+    ).as_matrix()
+    ref = _dense_ce(lambda m, x: jax.vmap(m)(x), model, x, y)
+    np.testing.assert_allclose(exact, ref, rtol=1e-10, atol=1e-12)
+
+
+def _dense_ce(outputs, model, x, y):
+    """The dense GGN of the mean cross-entropy of `outputs(model, x)` against `y`."""
+
+    def loss_of(out):
+        onehot = jax.nn.one_hot(y, out.shape[-1], dtype=out.dtype)
+        return -jnp.mean(jnp.sum(onehot * jax.nn.log_softmax(out), axis=-1))
+
+    return dense_ggn(lambda m: outputs(m, x), loss_of, model)
+
+
+# --- 8. a grouped convolution: the advice works ----------------------------------
+
+
+class _ConvNet(eqx.Module):
+    conv: eqx.nn.Conv2d
+    head: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.head(jnp.tanh(self.conv(x)).reshape(-1))
+
+
+def _conv_problem():
+    conv = eqx.nn.Conv2d(4, 4, 3, groups=2, dtype=F64, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (3, 4, 5, 5), F64)
+    y = jnp.array([0, 1, 2])
+    net = _ConvNet(conv, eqx.nn.Linear(36, 3, dtype=F64, key=jax.random.key(2)))
+    return conv, net, (x, y)
+
+
+def _flat_loss(model, batch):
+    x, y = batch
+    return ef.softmax_cross_entropy(jax.vmap(model)(x).reshape(x.shape[0], -1), y)
+
+
+def test_grouped_convolution_advice_works():
+    conv, net, batch = _conv_problem()
+    kw = dict(estimator=ef.GGN())
+    # As the whole model, excluding it would leave nothing: the advice is another
+    # structure, which works and is exact on the diagonal.
+    with pytest.raises(
+        ValueError, match=r"every parameter selected.*eqfisher.Diagonal\(\)"
+    ):
+        ef.curvature(_flat_loss, conv, batch, structure=ef.KFAC(), **kw)
+    diag = ef.curvature(_flat_loss, conv, batch, structure=ef.Diagonal(), **kw)
+    x, y = batch
+    ref = _dense_ce(lambda m, x: jax.vmap(m)(x).reshape(x.shape[0], -1), conv, x, y)
+    np.testing.assert_allclose(
+        np.diag(diag.as_matrix()), np.diag(ref), rtol=1e-10, atol=1e-14
+    )
+    # Inside a model: each piece of advice, evaluated as written, gives a working
+    # call.
+    with pytest.raises(ValueError, match="grouped convolution") as info:
+        ef.curvature(_flat_loss, net, batch, structure=ef.KFAC(), **kw)
+    message = str(info.value)
+    where = re.search(r"`where=(~eqfisher\.filters\.by_path\('[^']*'\))`", message)
+    per_layer = re.search(r"`structure=(eqfisher\.PerLayer\(.*\)\))`", message)
+    assert where and per_layer, message
+    scope = {"eqfisher": eqfisher, "KFAC": ef.KFAC}
+    rest = ef.curvature(
+        _flat_loss, net, batch, structure=ef.KFAC(), where=eval(where[1], scope), **kw
+    )
+    assert set(rest.blocks) == {"head"}
+    mixed = ef.curvature(
+        _flat_loss, net, batch, structure=eval(per_layer[1], scope), **kw
+    )
+    assert isinstance(mixed.blocks["conv"], ef.blocks.DiagonalBlock)
+    assert isinstance(mixed.blocks["head"], ef.blocks.KroneckerFactored)
