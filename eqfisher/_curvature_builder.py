@@ -10,7 +10,7 @@ from jaxtyping import PyTree
 from . import _statistics as stats, filters
 from ._curvature_operator import Curvature, step_runs
 from ._estimators import AbstractEstimator, loss_vectors, stacked_vectors
-from ._example_axes import proven_labels
+from ._example_axes import proven_labels, stops_mixed_gradients
 from ._examples import AbstractExamples, IndependentExamples, InteractingExamples
 from ._per_example import (
     INTERACTION,
@@ -301,6 +301,9 @@ class Builder(eqx.Module):
             one = one_example(
                 self.traced, model, batch, full_inputs, self.examples.axis
             )
+            derivatives = stops_mixed_gradients(
+                processed.program, s, batch, self.examples.axis, self.caller
+            )
             if rest:
                 leaves = sorted({processed.units[i][0] for i in rest})
                 vecs, mismatch = per_example_vectors(
@@ -310,12 +313,12 @@ class Builder(eqx.Module):
                     lambda v: stacked_vectors(
                         [self.estimator.example_vectors(x) for x in v]
                     ),
-                    probe(processed, s, leaves),
+                    probe(processed, s, leaves, derivatives),
                 )
                 rows = _unit_rows(processed, rest, dict(zip(leaves, vecs)))
             else:
                 leaves = sorted({processed.units[i][0] for i in parts})
-                along = probe(processed, s, leaves)
+                along = probe(processed, s, leaves, derivatives)
                 mismatch = examples_mismatch(one, full_inputs, along)
         if shifts:
             shapes = {i: processed.unit_shape(s.params, i)[0] for i in shifted}

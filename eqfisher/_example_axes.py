@@ -58,6 +58,32 @@ def proven_labels(program: Program, s, batch, axis, caller: str) -> dict | None:
     return labels if proven else None
 
 
+def stops_mixed_gradients(program: Program, s, batch, axis, caller: str) -> bool:
+    """Whether a `stop_gradient` in `program` reads the data of several examples.
+
+    A term such as `m - stop_gradient(m)` of a batch mean `m` (straight-through
+    estimators, DiCE) is zero in value but not in derivative: examples then
+    interact through derivatives alone, which the forward per example that checks
+    independence sees only if it compares derivatives too (`_per_example.probe`).
+    """
+    axes = leaf_axes(axis, batch, caller)
+    inputs = [None] * (len(s.params) + len(s.others))
+    inputs += [None if x.ndim == 0 else a for x, a in zip(s.batch, axes)]
+    labels = program_labels(program, inputs)
+
+    def stops(nodes) -> bool:
+        for node in nodes:
+            if isinstance(node, ScanNode) and stops(node.body):
+                return True
+            if node.eqn.primitive.name == "stop_gradient" and (
+                _read(labels, node.operands[0]) == MIXED
+            ):
+                return True
+        return False
+
+    return stops(program.nodes)
+
+
 def label_of(labels: dict, var) -> Label:
     """A variable's label; a scan step's (`StepVar`) is its body variable's."""
     return labels.get(id(getattr(var, "base", var)), MIXED)

@@ -113,13 +113,20 @@ class Probe:
     """
 
     leaves: tuple[int, ...]
-    direction: tuple[Array, ...]
-    full: tuple[Array, ...]
+    direction: tuple[Array, ...] | None  # None: compare values only
+    full: tuple[Array, ...] | None
 
 
-def probe(processed: ProcessedTrace, s: Split, leaves: Sequence[int]) -> Probe:
-    """The `Probe` of the given parameter leaves: one JVP of the full batch."""
+def probe(
+    processed: ProcessedTrace, s: Split, leaves: Sequence[int], derivatives: bool
+) -> Probe:
+    """The `Probe` of the given parameter leaves: one JVP of the full batch, where
+    `derivatives` (a `stop_gradient` of several examples' data,
+    `_example_axes.stops_mixed_gradients`); else values alone are compared (a JVP
+    per example costs about as much to compile as the rest of the pass)."""
     leaves = tuple(leaves)
+    if not derivatives:
+        return Probe(leaves, None, None)
     keys = jax.random.split(jax.random.key(0), max(len(leaves), 1))
     direction = tuple(
         jax.random.normal(k, s.params[i].shape, s.params[i].dtype)
@@ -259,6 +266,9 @@ def per_example_vectors(
                 p[i] = leaf
             return one.run(p, ex_leaves)
 
+        if along.direction is None:
+            outs, vjp = jax.vjp(fn, [s.params[i] for i in selected])
+            return jax.vmap(lambda c: vjp(tuple(c))[0])(v), outs, None
         # One linearisation for the tangent of the probe and the pullbacks.
         outs, jvp = jax.linearize(fn, [s.params[i] for i in selected])
         vjp = jax.linear_transpose(jvp, [s.params[i] for i in selected])
@@ -267,7 +277,9 @@ def per_example_vectors(
 
     vs = tuple(jnp.moveaxis(v, 1, 0) for v in vectors)  # (N, K, ...)
     out, alone, tangents = jax.vmap(example, in_axes=(list(one.axes), 0))(s.batch, vs)
-    mismatch = one.mismatch(full_inputs, alone) | one.mismatch(along.full, tangents)
+    mismatch = one.mismatch(full_inputs, alone)
+    if along.full is not None:
+        mismatch = mismatch | one.mismatch(along.full, tangents)
     return [x.reshape((-1,) + x.shape[2:]) for x in out], mismatch
 
 
@@ -277,6 +289,11 @@ def examples_mismatch(
     """`OneExample.mismatch`, in value and along the probe's tangent, from a
     forward (JVP) per example (no backward)."""
     params = jax.lax.stop_gradient(list(one.s.params))
+    if along.direction is None:
+        alone = jax.vmap(lambda ex: one.run(params, ex), in_axes=(list(one.axes),))(
+            one.s.batch
+        )
+        return one.mismatch(full_inputs, alone)
 
     def example(ex):
         def fn(sel):

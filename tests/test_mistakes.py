@@ -172,6 +172,44 @@ def test_coupling_through_derivatives_is_detected(structure, kind):
     assert np.max(np.abs(alone.as_matrix() - ref)) > 0.05 * np.max(np.abs(ref))
 
 
+def _stopped(z):
+    # A stop_gradient of each example's own data (as DiCE's `exp(l - stop_gradient(l))`
+    # per example): value z, derivative (1 + z) dz; no coupling.
+    return z * jnp.exp(z - jax.lax.stop_gradient(z))
+
+
+def _per_example_stop(model, batch):
+    x, y = batch
+    return ef.softmax_cross_entropy(_stopped(jax.vmap(model)(x)), y)
+
+
+@pytest.mark.parametrize(
+    "fn, outputs, stops",
+    [
+        (loss_fn, lambda m, x: jax.vmap(m)(x), False),
+        (_per_example_stop, lambda m, x: _stopped(jax.vmap(m)(x)), False),
+        (_coupled_loss, None, True),
+    ],
+)
+def test_derivatives_are_compared_where_a_stop_gradient_mixes_examples(
+    fn, outputs, stops
+):
+    # The derivative check (a JVP per example) costs about as much to compile as
+    # the rest of the per-example pass: it runs only where values can hide a
+    # coupling, a stop_gradient of several examples' data.
+    from eqfisher._example_axes import stops_mixed_gradients
+    from eqfisher._tracing import split, trace
+
+    model, batch = _problem()
+    s = split(model, batch)
+    found = stops_mixed_gradients(trace(fn, s).program, s, batch, 0, "test")
+    assert found == stops
+    if outputs is not None:  # no coupling: the per-example curvature is exact
+        curv = ef.curvature(fn, model, batch, estimator=ef.GGN(), structure=ef.Dense())
+        ref = _dense_ce(outputs, model, *batch)
+        np.testing.assert_allclose(curv.as_matrix(), ref, rtol=1e-10, atol=1e-12)
+
+
 # --- 4. class labels out of range ------------------------------------------------
 
 
