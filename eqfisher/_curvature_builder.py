@@ -137,13 +137,7 @@ class Builder(eqx.Module):
         outputs, vjp, (losses, inputs), grad_vjp = stats.layer_outputs_vjp(
             processed, s, records, full=full, per_example=_summed(grouping, needs)
         )
-        empty = [tuple(x.inputs.shape) for x in losses if 0 in x.inputs.shape[:-1]]
-        if empty:
-            raise ValueError(
-                f"`{self.caller}`: `batch` holds no examples: the registered loss "
-                f"outputs are shaped {empty}, and curvature is a mean over "
-                "examples. Pass a batch of at least one."
-            )
+        _check_examples(losses, self.caller)
         per_loss = loss_vectors(self.estimator, losses, key)
         vectors = stacked_vectors(per_loss)
         grads = None
@@ -328,6 +322,18 @@ class Builder(eqx.Module):
             return rows
         message = f"`{self.caller}`: {INTERACTION}"
         return {i: eqx.error_if(x, mismatch, message) for i, x in rows.items()}
+
+
+def _check_examples(losses, caller: str) -> None:
+    """Refuses a batch without examples (a registered loss with no outputs): every
+    structure's curvature is a mean over examples."""
+    empty = [tuple(x.inputs.shape) for x in losses if 0 in x.inputs.shape[:-1]]
+    if empty:
+        raise ValueError(
+            f"`{caller}`: `batch` holds no examples: the registered loss outputs "
+            f"are shaped {empty}, and curvature is a mean over examples. Pass a "
+            "batch of at least one."
+        )
 
 
 def _step_runs(grouping, needs, processed) -> list[list[int]]:

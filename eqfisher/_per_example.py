@@ -149,58 +149,17 @@ def one_example(
     traced: Traced, model, batch, full_inputs: Sequence[Array], axis
 ) -> OneExample:
     """Splits the batch into examples along `axis` and traces `loss_fn` on one; each
-    loss's example axis is where its one-example outputs have size 1."""
+    loss's example axis is where its one-example outputs have size 1. (A batch
+    without examples is refused before, by the builder.)"""
     caller = traced.caller
     s = split(model, batch)
     axes = leaf_axes(axis, batch, caller)
-    n = example_count(batch, axis, caller)
-    if n is None:
-        sizes = {
-            x.shape[a] for x, a in zip(s.batch, axes) if a is not None and a < x.ndim
-        }
-        raise ValueError(
-            f"`{caller}`: this structure needs per-example Jacobians, so the arrays "
-            "in `batch` must share an example axis of one size; got sizes "
-            f"{sorted(sizes)} along the example axes {axes} of arrays shaped "
-            f"{[tuple(x.shape) for x in s.batch]}. Say where the example axis is "
-            "with `examples=eqfisher.IndependentExamples(axis=...)` (`None` for "
-            "arrays every example shares, such as a BatchNorm state), or pass "
-            "`examples=eqfisher.InteractingExamples()` (exact, from full-batch "
-            "products; also for examples that interact, as through BatchNorm with "
-            "batch statistics)."
-        )
-    if n == 0:
-        raise ValueError(
-            f"`{caller}`: `batch` holds no examples (its arrays are shaped "
-            f"{[tuple(x.shape) for x in s.batch]}, with example axes {axes}); "
-            "curvature is a mean over examples. Pass a batch of at least one."
-        )
+    n = _shared_count(s, batch, axis, axes, caller)
     one_leaves = [
         x if a is None else jax.lax.slice_in_dim(x, 0, 1, axis=a)
         for x, a in zip(s.batch, axes)
     ]
-    b_dyn, b_static = eqx.partition(batch, eqx.is_array)
-    one = eqx.combine(
-        jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(b_dyn), one_leaves),
-        b_static,
-    )
-    try:
-        processed = traced.trace(split(model, one), layers=False)  # only run
-    except Exception as e:
-        raise ValueError(
-            f"`{caller}`: this structure needs per-example Jacobians, so eqfisher "
-            "re-ran `loss_fn` on one example (every array of `batch` cut to size 1 "
-            f"along its example axis: {axes}, shapes "
-            f"{[tuple(x.shape) for x in one_leaves]}), and that run failed: "
-            f"{type(e).__name__}: {_first_line(e)}. Likely causes: a batch size "
-            "written into `loss_fn` (use the shapes of `batch` instead), or "
-            "example axes other than those of "
-            "`examples=` (say where they are with "
-            "`examples=eqfisher.IndependentExamples(axis=...)`, as `jax.vmap`'s "
-            "`in_axes`). Or pass `examples=eqfisher.InteractingExamples()`, "
-            "which never re-runs `loss_fn` (exact, from full-batch products), or "
-            "use `structure=eqfisher.KFAC()`."
-        ) from e
+    processed = _trace_one(traced, model, batch, one_leaves, axes)
     one_shapes = [
         node.eqn.invars[0].aval.shape
         for node in processed.program.nodes
@@ -218,6 +177,52 @@ def one_example(
             "`examples=eqfisher.InteractingExamples()`."
         )
     return OneExample(s, axes, n, processed, loss_axes)  # pyright: ignore
+
+
+def _shared_count(s: Split, batch, axis, axes, caller: str) -> int:
+    """The number of examples, which every array of `batch` must share."""
+    n = example_count(batch, axis, caller)
+    if n is not None:
+        return n
+    sizes = {x.shape[a] for x, a in zip(s.batch, axes) if a is not None and a < x.ndim}
+    raise ValueError(
+        f"`{caller}`: this structure needs per-example Jacobians, so the arrays "
+        "in `batch` must share an example axis of one size; got sizes "
+        f"{sorted(sizes)} along the example axes {axes} of arrays shaped "
+        f"{[tuple(x.shape) for x in s.batch]}. Say where the example axis is "
+        "with `examples=eqfisher.IndependentExamples(axis=...)` (`None` for "
+        "arrays every example shares, such as a BatchNorm state), or pass "
+        "`examples=eqfisher.InteractingExamples()` (exact, from full-batch "
+        "products; also for examples that interact, as through BatchNorm with "
+        "batch statistics)."
+    )
+
+
+def _trace_one(traced: Traced, model, batch, one_leaves, axes) -> ProcessedTrace:
+    """`loss_fn` traced on the batch cut to its first example; a failure says that
+    eqfisher re-ran it, and what `examples=` does."""
+    b_dyn, b_static = eqx.partition(batch, eqx.is_array)
+    one = eqx.combine(
+        jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(b_dyn), one_leaves),
+        b_static,
+    )
+    try:
+        return traced.trace(split(model, one), layers=False)  # only run
+    except Exception as e:
+        raise ValueError(
+            f"`{traced.caller}`: this structure needs per-example Jacobians, so "
+            "eqfisher re-ran `loss_fn` on one example (every array of `batch` cut "
+            f"to size 1 along its example axis: {axes}, shapes "
+            f"{[tuple(x.shape) for x in one_leaves]}), and that run failed: "
+            f"{type(e).__name__}: {_first_line(e)}. Likely causes: a batch size "
+            "written into `loss_fn` (use the shapes of `batch` instead), or "
+            "example axes other than those of `examples=` (say where they are "
+            "with `examples=eqfisher.IndependentExamples(axis=...)`, as "
+            "`jax.vmap`'s `in_axes`). Or pass "
+            "`examples=eqfisher.InteractingExamples()`, which never re-runs "
+            "`loss_fn` (exact, from full-batch products), or use "
+            "`structure=eqfisher.KFAC()`."
+        ) from e
 
 
 def _first_line(e: Exception) -> str:
