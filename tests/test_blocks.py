@@ -194,6 +194,46 @@ def test_kronecker_factored_damping_and_precompute(layout):
     )
 
 
+def _calls_lapack(fn, *args) -> bool:
+    """Whether the compiled `fn` calls a LAPACK factorisation (XLA:CPU)."""
+    return "lapack" in jax.jit(fn).lower(*args).as_text()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_full_precompute(layout):
+    """A `Full` block carrying its eigendecomposition solves and takes
+    log-determinants for any damping without a new factorisation, equal to the
+    dense references, and differentiable in the damping."""
+    block, dense = make("full", layout)
+    cached = block.precompute()
+    assert block.eig is None and cached.eig is not None
+    v = random_operand(block)
+    eye = np.eye(dense.shape[0])
+    for lam in (1e-3, 0.3, 4.0):
+        expected = np.linalg.solve(dense + lam * eye, flat(v))
+        assert np.allclose(flat(cached.solve(v, lam)), expected, atol=1e-10)
+        logdet = np.linalg.slogdet(dense + lam * eye)[1]
+        assert np.isclose(cached.logdet(lam), logdet, rtol=1e-12)
+    assert np.allclose(cached.eigenvalues(), np.linalg.eigvalsh(dense), atol=1e-12)
+    # d/dλ log det(B + λI) = tr (B + λI)⁻¹, and d/dλ (B + λI)⁻¹ v = -(B + λI)⁻² v.
+    lam = 0.3
+    inverse = np.linalg.inv(dense + lam * eye)
+    grad = jax.grad(cached.logdet)(lam)
+    assert np.isclose(grad, np.trace(inverse), rtol=1e-10)
+    tangent = jax.jvp(lambda d: cached.solve(v, d), (lam,), (1.0,))[1]
+    assert np.allclose(flat(tangent), -inverse @ inverse @ flat(v), atol=1e-10)
+    # Value and gradient in λ compute no factorisation once it is cached.
+    summed = lambda b, d: ravel_pytree(b.solve(v, d))[0].sum()
+    for fn in (lambda b, d: b.logdet(d), summed):
+        assert not _calls_lapack(jax.value_and_grad(fn, argnums=1), cached, lam)
+        assert _calls_lapack(jax.value_and_grad(fn, argnums=1), block, lam)
+    # scale keeps the decomposition consistent; ema (new matrix) drops it.
+    scaled = cached.scale(2.5)
+    assert scaled.eig is not None
+    assert np.isclose(scaled.logdet(lam), block.scale(2.5).logdet(lam), rtol=1e-12)
+    assert cached.ema(block, 0.5).eig is None
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_ekfac_from_kronecker(layout):
     kfac, _ = make("kfac", layout)

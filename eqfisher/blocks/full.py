@@ -27,14 +27,20 @@ class Full(AbstractBlock):
     - `matrix`: the symmetric PSD matrix B, shape `(P, P)`, rows and columns in the
         `ravel_pytree` order of the operand tuple.
     - `structure`: the operand, a tuple of `jax.ShapeDtypeStruct` (static).
+    - `eig`: `None`, or `(eigenvalues, eigenvectors)` of B from `precompute()`
+        (eigenvalues clamped at zero).
 
-    `solve` and `logdet` use a Cholesky factorisation of
+    Without `eig`, `solve` and `logdet` use a Cholesky factorisation of
     $B + \text{damping} \cdot I$. Where it fails, because rounding has left $B$ with
     eigenvalues below $-\text{damping}$ (float32 with
     $\text{damping} \lesssim 10^{-7} \lVert B \rVert$), they fall back to an
     eigendecomposition with the eigenvalues of $B$ clamped at zero: the exact result
-    for the nearest PSD matrix, finite for any positive damping. `eigenvalues` are in
-    ascending order (`jnp.linalg.eigvalsh`).
+    for the nearest PSD matrix, finite for any positive damping. With `eig` (after
+    `precompute()`), they reuse the eigendecomposition for any damping: a solve costs
+    two matrix-vector products and `logdet` a sum over the eigenvalues, and both are
+    differentiable in `damping` without differentiating a factorisation (the Laplace
+    marginal likelihood's tuning does this). `eigenvalues` are in ascending order
+    (`jnp.linalg.eigvalsh`).
 
     !!! Example
 
@@ -52,9 +58,14 @@ class Full(AbstractBlock):
 
     matrix: Float[Array, "size size"]
     structure: Structure = eqx.field(static=True)
+    eig: tuple[Float[Array, " size"], Float[Array, "size size"]] | None
 
     def __init__(
-        self, matrix: Float[ArrayLike, "size size"], structure: tuple[object, ...]
+        self,
+        matrix: Float[ArrayLike, "size size"],
+        structure: tuple[object, ...],
+        *,
+        eig: tuple[Float[Array, " size"], Float[Array, "size size"]] | None = None,
     ):
         """**Arguments:**
 
@@ -62,9 +73,12 @@ class Full(AbstractBlock):
             the operand.
         - `structure`: the operand's leaves, as anything with `.shape` and `.dtype`
             (arrays or `jax.ShapeDtypeStruct`s), e.g. `(weight, bias)`.
+        - `eig`: an optional precomputed `jnp.linalg.eigh` of `matrix` (see
+            `precompute`).
         """
         self.matrix = jnp.asarray(matrix)
         self.structure = normalise_structure(structure)
+        self.eig = None if eig is None else tuple(eig)
 
     def __check_init__(self):
         size = structure_size(self.structure)
@@ -73,6 +87,25 @@ class Full(AbstractBlock):
                 f"`Full(matrix, structure)`: `matrix` has shape {self.matrix.shape}, "
                 f"but `structure` {self.structure} has {size} coordinates."
             )
+        if self.eig is not None and tuple(x.shape for x in self.eig) != (
+            (size,),
+            (size, size),
+        ):
+            raise ValueError(
+                "`Full(matrix, structure, eig=...)`: `eig` must be (eigenvalues, "
+                f"eigenvectors) of shapes ({size},) and ({size}, {size}), got "
+                f"{tuple(x.shape for x in self.eig)}."
+            )
+
+    def precompute(self) -> "Full":
+        """This block with `eig` filled, for repeated solves and log-determinants.
+
+        **Returns:**
+
+        A `Full` equal to this one, carrying the eigendecomposition of its matrix
+        (eigenvalues clamped at zero).
+        """
+        return Full(self.matrix, self.structure, eig=self._clamped_eigh())
 
     def _flat(self, vector: Operand) -> Array:
         return ravel(tuple(x.astype(self.matrix.dtype) for x in vector))
@@ -100,6 +133,9 @@ class Full(AbstractBlock):
         return linalg.cholesky(self.matrix + damping * eye)
 
     def _clamped_eigh(self) -> tuple[Array, Array]:
+        if self.eig is not None:
+            values, vectors = self.eig
+            return jnp.maximum(values, 0), vectors
         values, vectors = linalg.eigh(self.matrix)
         return jnp.maximum(values, 0), vectors
 
@@ -107,14 +143,17 @@ class Full(AbstractBlock):
         check_operand(vector, self.structure, "Full.solve")
         damping = check_damping(damping, self.matrix.dtype)
         flat = self._flat(vector)
-        factor = self._cholesky(damping)
-
-        def by_cholesky():
-            return linalg.cho_solve(factor, flat)
 
         def by_eigh():
             values, vectors = self._clamped_eigh()
             return vectors @ ((vectors.T @ flat) / (values + damping))
+
+        if self.eig is not None:
+            return self._out(by_eigh())
+        factor = self._cholesky(damping)
+
+        def by_cholesky():
+            return linalg.cho_solve(factor, flat)
 
         ok = jnp.all(jnp.isfinite(factor))
         return self._out(jax.lax.cond(ok, by_cholesky, by_eigh))
@@ -124,10 +163,13 @@ class Full(AbstractBlock):
 
     def logdet(self, damping: ScalarLike) -> Float[Array, ""]:
         damping = check_damping(damping, self.matrix.dtype)
-        factor = self._cholesky(damping)
 
         def by_eigh():
             return jnp.sum(jnp.log(self._clamped_eigh()[0] + damping))
+
+        if self.eig is not None:
+            return by_eigh()
+        factor = self._cholesky(damping)
 
         ok = jnp.all(jnp.isfinite(factor))
         by_cholesky = lambda: 2 * jnp.sum(jnp.log(jnp.diagonal(factor)))
@@ -137,6 +179,8 @@ class Full(AbstractBlock):
         return jnp.trace(self.matrix)
 
     def eigenvalues(self) -> Float[Array, " size"]:
+        if self.eig is not None:
+            return self._clamped_eigh()[0]
         return linalg.eigvalsh(self.matrix)
 
     def ema(self, other: "Full", decay: ScalarLike) -> "Full":
@@ -147,4 +191,5 @@ class Full(AbstractBlock):
 
     def scale(self, c: ScalarLike) -> "Full":
         c = check_scalar(c, "c", self.matrix.dtype)
-        return Full(c * self.matrix, self.structure)
+        eig = None if self.eig is None else (c * self.eig[0], self.eig[1])
+        return Full(c * self.matrix, self.structure, eig=eig)

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
-from .. import _linalg as linalg
 from .._curvature import Curvature
 from .._curvature_operator import leaf_shapes
 from ..blocks import (
@@ -115,7 +114,7 @@ def _(block: Full, vector, scale, prior):
     flat = jnp.concatenate([jnp.ravel(x) for x in vector]).astype(block.matrix.dtype)
     # Rounding can leave a PSD matrix with small negative eigenvalues: clamped, as
     # `Full.solve` does when its Cholesky factorisation fails.
-    values, vectors = linalg.eigh(block.matrix)
+    values, vectors = block.precompute().eig if block.eig is None else block.eig
     factor = 1 / jnp.sqrt(scale * jnp.maximum(values, 0) + prior)
     out = vectors @ (factor * (vectors.T @ flat))
     parts, start = [], 0
@@ -167,11 +166,17 @@ def _(block: EigenKroneckerFactored, vector, scale, prior):
 
 @functools.singledispatch
 def prepare_block(block: AbstractBlock) -> AbstractBlock:
-    """The block with the factorisations its repeated solves reuse (K-FAC's
-    eigendecompositions); other block types unchanged."""
+    """The block with the factorisations its repeated solves reuse (the
+    eigendecompositions of K-FAC's factors and of a dense block), so that tuning the
+    prior differentiates no factorisation; other block types unchanged."""
     return block
 
 
 @prepare_block.register
 def _(block: KroneckerFactored) -> AbstractBlock:
+    return block.precompute()
+
+
+@prepare_block.register
+def _(block: Full) -> AbstractBlock:
     return block.precompute()
