@@ -488,3 +488,60 @@ def test_marglik_training():
     grads = jax.jit(jax.grad(value, argnums=(0, 1)))(logs, jnp.log(post.noise_std))
     for g in jax.tree_util.tree_leaves(grads):
         assert abs(float(g)) < 1e-2
+
+
+@pytest.mark.parametrize(
+    "case",
+    [("dense", None, False), ("dense", LAST, True), ("kfac", None, False)],
+    ids=case_id,
+)
+@pytest.mark.parametrize("per_block", [False, True])
+def test_predictive_diagnosis_against_jacfwd(case, per_block):
+    """The diagnosis' variances are the diagonals of J Λ⁻¹ Jᵀ and J diag(δ)⁻¹ Jᵀ
+    from `jax.jacfwd` and the dense precision; its ratios follow from them."""
+    lap, model, batch, _, sel, precision = build(*case, per_block=per_block)
+    x = batch[0][:5]
+    fn, theta = flat_outputs(model, x, sel)
+    jac = np.asarray(jax.jit(jax.jacfwd(fn))(theta))  # (batch, D, P)
+    variance = np.einsum("bkp,pq,bkq->bk", jac, np.linalg.inv(precision), jac)
+    prior = np.einsum("bkp,p,bkp->bk", jac, 1 / np.asarray(prior_vector(lap)), jac)
+    got = eqx.filter_jit(la.predictive_diagnosis)(lap, x, chunk_size=2)
+    np.testing.assert_allclose(got.mean, fn(theta), rtol=1e-12)
+    np.testing.assert_allclose(got.variance, variance, rtol=1e-9, atol=1e-14)
+    np.testing.assert_allclose(got.prior_variance, prior, rtol=1e-12)
+    assert np.all(variance <= prior)
+    mean = np.asarray(fn(theta))
+    regression = case[2]
+    scale = np.full(5, 0.7) if regression else mean.std(-1)
+    np.testing.assert_allclose(got.output_scale, scale, rtol=1e-12)
+    ratio = np.sqrt(variance.mean(-1)) / scale
+    np.testing.assert_allclose(got.std_ratio, ratio, rtol=1e-9)
+    d = mean.shape[1]
+    project = np.eye(d) - (0 if regression else 1 / d)  # off the common logit shift
+    cov = np.einsum("bkp,pq,blq->bkl", jac, np.linalg.inv(precision), jac)
+    cov_prior = np.einsum("bkp,p,blp->bkl", jac, 1 / np.asarray(prior_vector(lap)), jac)
+    share = np.trace(project @ cov @ project, axis1=1, axis2=2) / np.trace(
+        project @ cov_prior @ project, axis1=1, axis2=2
+    )
+    np.testing.assert_allclose(got.prior_share, share, rtol=1e-9)
+    factor = 1 / np.sqrt(1 + np.pi / 8 * variance)
+    np.testing.assert_allclose(got.probit_factor, factor, rtol=1e-9)
+
+
+def test_predictive_diagnosis_summary():
+    """The summary warns where the predictive swamps the logits, and says whether the
+    prior or the data set its variance; it does not for a narrow posterior."""
+    lap, _, batch, *_ = fitted("dense", LAST, False)
+    x = batch[0]
+    diagnose = eqx.filter_jit(la.predictive_diagnosis)
+    broad = diagnose(lap.replace(prior_precision=1e-3), x)
+    text = broad.summary()
+    assert np.median(broad.std_ratio) > 1 and np.median(broad.prior_share) < 0.5
+    assert "far less confident" in text and "data set most" in text
+    assert "probit scales the logits by" in text
+    narrow = diagnose(lap.replace(prior_precision=1e4), x)
+    assert np.median(narrow.std_ratio) < 1 and np.median(narrow.prior_share) > 0.5
+    assert "far less confident" not in narrow.summary()
+    # Prior-dominated and broad: the directions the data leave free.
+    free = eqx.tree_at(lambda d: d.prior_share, broad, jnp.full(len(x), 0.9))
+    assert "prior sets most" in free.summary()

@@ -10,6 +10,10 @@ from ._calibration import (
     expected_calibration_error as expected_calibration_error,
     negative_log_likelihood as negative_log_likelihood,
 )
+from ._diagnosis import (
+    PredictiveDiagnosis as PredictiveDiagnosis,
+    predictive_diagnosis as predictive_diagnosis,
+)
 from ._marglik import (
     marglik_training as marglik_training,
     optimize_hyperparameters as optimize_hyperparameters,
