@@ -47,6 +47,19 @@ class PredictiveDiagnosis(eqx.Module):
     - `prior_share`: shape `(batch,)`.
     - `noise_std`: $\sigma$ (regression; 1 for classification).
     - `likelihood`: static, as the posterior's.
+
+    !!! Example
+
+        ```python
+        la = ef.laplace.fit(
+            loss_fn, model, batch, likelihood="classification", structure=ef.Dense()
+        )
+        weak = ef.laplace.predictive_diagnosis(la.replace(prior_precision=1e-4), x)
+        strong = ef.laplace.predictive_diagnosis(la.replace(prior_precision=1e4), x)
+        print(weak.summary())  # a warning, and what to do
+        assert jnp.median(weak.std_ratio) > jnp.median(strong.std_ratio)
+        assert jnp.all(weak.probit_factor < strong.probit_factor)
+        ```
     """
 
     mean: Float[Array, "batch out"]
@@ -83,7 +96,10 @@ class PredictiveDiagnosis(eqx.Module):
 
     def summary(self) -> str:
         """Medians over the examples, and advice where the predictive is likely to be
-        much less confident than the network itself.
+        much less confident than the network itself: where the predictive standard
+        deviation exceeds `output_scale` (median `std_ratio` above 1) and, for
+        classification, probit at least halves the logits (median `probit_factor`
+        below 0.5).
 
         **Returns:**
 
@@ -98,10 +114,12 @@ class PredictiveDiagnosis(eqx.Module):
             f"(median ratio {_median(self.std_ratio):.3g}); the data removed "
             f"{1 - share:.1%} of the prior's variance (median)."
         ]
+        broad = _median(self.std_ratio) > 1
         if self.likelihood == "classification":
             factor = _median(jnp.mean(self.probit_factor, axis=-1))
             lines.append(f"probit scales the logits by {factor:.3g} (median).")
-        if _median(self.std_ratio) <= 1:
+            broad = broad and factor < 0.5
+        if not broad:
             return "\n".join(lines)
         lines.append(
             "The predictive variance dominates the outputs' scale: a GLM predictive "
