@@ -11,10 +11,10 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ._config import Config, current_config
-from ._curvature_builder import INDEPENDENT, Builder, check_args
+from ._curvature_builder import Builder, check_args
 from ._curvature_operator import Curvature
 from ._estimators import AbstractEstimator
-from ._examples import AbstractExamples
+from ._examples import AbstractExamples, IndependentExamples
 from ._structures import AbstractStructure
 from ._tracing import Traced
 from .filters import AbstractFilter
@@ -29,7 +29,7 @@ def curvature(
     structure: AbstractStructure,
     key: PRNGKeyArray | None = None,
     where: AbstractFilter | PyTree | None = None,
-    examples: AbstractExamples = INDEPENDENT,
+    examples: AbstractExamples = IndependentExamples(),  # noqa: B008 (an immutable Module)
 ) -> Curvature:
     """The curvature of the value `loss_fn(model, batch)` returns.
 
@@ -117,7 +117,7 @@ def value_grad_and_curvature(
     has_aux: bool = False,
     surrogate: bool = False,
     where: AbstractFilter | PyTree | None = None,
-    examples: AbstractExamples = INDEPENDENT,
+    examples: AbstractExamples = IndependentExamples(),  # noqa: B008 (an immutable Module)
 ) -> Callable:
     """Loss, gradient and curvature from one forward pass and one stacked VJP.
 

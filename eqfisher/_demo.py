@@ -167,7 +167,13 @@ def _plot(runs, out: pathlib.Path) -> None:
         axes[0].semilogy(run.steps, run.losses, label=run.name)
         axes[1].semilogy(run.seconds, run.losses, label=run.name)
     for ax, xlabel in zip(axes, ("step", "wall-clock seconds (training steps only)")):
-        ax.axhline(TARGET_LOSS, color="grey", ls="--", lw=0.8)
+        ax.axhline(
+            TARGET_LOSS,
+            color="grey",
+            ls="--",
+            lw=0.8,
+            label=f"target loss {TARGET_LOSS}",
+        )
         ax.set_xlabel(xlabel)
         ax.set_ylabel("full training-set loss")
         ax.legend()

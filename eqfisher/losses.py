@@ -168,23 +168,41 @@ class Categorical(AbstractLossFamily):
         return eye * sqrt_p[..., None, :] - p[..., :, None] * sqrt_p[..., None, :]
 
     def check_targets(self, inputs, targets, caller):
+        batch = inputs.shape[:-1]
+        expected = (
+            f"`labels` must be integer class ids of shape logits.shape[:-1] = {batch} "
+            "(an integer dtype, e.g. `labels.astype(jnp.int32)`) or probability "
+            f"`labels` (floats) of the shape of `logits` {inputs.shape}"
+        )
         if jnp.issubdtype(targets.dtype, jnp.integer):
-            if targets.shape != inputs.shape[:-1]:
-                raise ValueError(
-                    f"`{caller}(logits, labels)`: integer `labels` must have shape "
-                    f"logits.shape[:-1] = {inputs.shape[:-1]}, got {targets.shape}."
-                )
-        elif jnp.issubdtype(targets.dtype, jnp.floating):
-            if targets.shape != inputs.shape:
+            if targets.shape != batch:
                 hint = (
-                    " Class ids must be integers: pass `labels.astype(jnp.int32)`."
-                    if targets.shape == inputs.shape[:-1]
+                    " Drop the trailing axis of length 1: `labels[..., 0]`."
+                    if targets.shape == batch + (1,)
                     else ""
                 )
                 raise ValueError(
-                    f"`{caller}(logits, labels)`: probability `labels` (floats) "
-                    f"must have the shape of `logits` {inputs.shape}, got "
-                    f"{targets.shape}.{hint}"
+                    f"`{caller}(logits, labels)`: {expected}; got integer `labels` "
+                    f"of shape {targets.shape}.{hint}"
+                )
+        elif jnp.issubdtype(targets.dtype, jnp.floating):
+            if targets.shape != inputs.shape:
+                if targets.shape == batch:
+                    hint = (
+                        " These look like class ids stored as floats: class ids "
+                        "must be integers, pass `labels.astype(jnp.int32)`."
+                    )
+                elif targets.shape == batch + (1,):
+                    hint = (
+                        " These look like class ids stored as floats with a trailing "
+                        "axis of length 1: class ids must be integers of shape "
+                        f"{batch}, pass `labels[..., 0].astype(jnp.int32)`."
+                    )
+                else:
+                    hint = ""
+                raise ValueError(
+                    f"`{caller}(logits, labels)`: {expected}; got float `labels` of "
+                    f"shape {targets.shape}.{hint}"
                 )
         else:
             raise TypeError(

@@ -24,3 +24,24 @@ def test_demo_rejects_bad_steps(capsys):
     with pytest.raises(SystemExit):
         internal.main(["demo", "--steps", "0"])
     assert "--steps must be positive" in capsys.readouterr().err
+
+
+def test_demo_plot_labels_the_target(tmp_path, monkeypatch):
+    import types
+
+    import matplotlib.pyplot as plt
+
+    from eqfisher import _demo
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    run = types.SimpleNamespace(
+        name="K-FAC (eqfisher)", steps=[0, 1], seconds=[0.0, 0.1], losses=[1.0, 0.01]
+    )
+    _demo._plot([run], tmp_path / "plot.png")
+    (fig,) = figures
+    for ax in fig.axes:
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert labels == ["K-FAC (eqfisher)", f"target loss {_demo.TARGET_LOSS}"]
+    monkeypatch.undo()
+    plt.close(fig)

@@ -2,8 +2,9 @@
 
 Formulas are written as `$...$` (inline) and `$$...$$` (display) for
 pymdownx.arithmatex and the KaTeX copy served from docs/assets/katex. These tests
-read the Markdown sources, the public docstrings that docs/api.md renders, and the
-module docstrings of the scripts in examples/ that their pages open with:
+read the Markdown sources, the public docstrings that the API reference
+(docs/api/*.md) renders, and the module docstrings of the scripts in examples/ that
+their pages open with:
 
 - outside code and maths, no character that only a formula uses (⊗, ⁻¹, ᵀ, ‖, Σ,
   √, θ, λ, ...), so no formula is left in plain Unicode;
@@ -40,6 +41,9 @@ PAGES = (
     "examples.md",
     "design.md",
     "project.md",
+    # The API reference: its pages' own text (the docstrings they render are
+    # checked below).
+    *(f"api/{p.name}" for p in sorted((ROOT / "docs" / "api").glob("*.md"))),
 )
 # Characters of formulas, never of prose: operators, super- and subscripts, and the
 # Greek letters the pages use as symbols. (×, −, · and → also occur in prose:
@@ -199,10 +203,10 @@ def test_the_checks_see_formulas():
 
 # --- docstrings ---------------------------------------------------------------------
 #
-# docs/api.md renders the public docstrings (mkdocstrings, with the same arithmatex),
-# and each example's page opens with its script's module docstring
-# (docs/hooks/examples.py), so their formulas are KaTeX too: in prose, not in
-# ```python examples or `code`.
+# The API reference (docs/api/*.md) renders the public docstrings (mkdocstrings,
+# with the same arithmatex), and each example's page opens with its script's module
+# docstring (docs/hooks/examples.py), so their formulas are KaTeX too: in prose, not
+# in ```python examples or `code`.
 
 # Source files whose docstrings still have Unicode formulas, relative to the
 # repository root. Empty it as they are converted, and keep it empty.

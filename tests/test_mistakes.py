@@ -90,6 +90,49 @@ def test_kfac_step_between_estimates_passes_the_check_under_vmap():
     assert bool(jnp.all(jnp.isfinite(loss)))
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_kfac_like_of_another_model_names_the_block_that_differs(jit):
+    # `like` from the width-5 MLP, curvature from a width-7 one: the first block
+    # that differs is named, with its factor shapes in both.
+    model, batch = _problem()
+    like = ef.optim.curvature_like(_vgc(), model, batch)
+    opt = ef.optim.kfac(0.1, like=like)
+    wider = eqx.nn.MLP(
+        D_IN, CLASSES, 7, 1, activation=jnp.tanh, dtype=F64, key=jax.random.key(0)
+    )
+    _, _, curv = _vgc()(wider, batch)
+    _, grads, _ = _vgc()(model, batch)
+    params = _params(model)
+    update = eqx.filter_jit(opt.update) if jit else opt.update
+    match = (
+        r"kfac_preconditioner\.update\(\.\.\., curvature=\.\.\.\)`: the curvature "
+        r"has other blocks or shapes than the optimiser's `like=`: block `layers\[0\]` "
+        rf"\(KroneckerFactored\) has a \({D_IN + 1}, {D_IN + 1}\), g \(5, 5\) in "
+        rf"`like` but a \({D_IN + 1}, {D_IN + 1}\), g \(7, 7\) in `curvature=`"
+    )
+    with pytest.raises(ValueError, match=match):
+        update(grads, opt.init(params), params, curvature=curv)
+
+
+def test_kfac_like_with_other_blocks_names_the_missing_block():
+    # `like` of the whole model, curvature of its last layer only (`where=`).
+    model, batch = _problem()
+    opt = ef.optim.kfac(0.1, like=ef.optim.curvature_like(_vgc(), model, batch))
+    last = ef.value_grad_and_curvature(
+        loss_fn,
+        estimator=ef.GGN(),
+        structure=ef.KFAC(),
+        where=ef.filters.by_path("layers[1].*"),
+    )
+    _, _, curv = last(model, batch)
+    assert list(curv.blocks) == ["layers[1]"]
+    params = _params(model)
+    with pytest.raises(
+        ValueError, match=r"block `layers\[0\]` of `like` is missing from `curvature=`"
+    ):
+        opt.update(_vgc()(model, batch)[1], opt.init(params), params, curvature=curv)
+
+
 # --- 2. schedules with values out of range, under jit ----------------------------
 
 
@@ -257,10 +300,40 @@ def test_padding_labels_are_allowed_where_masked():
     np.testing.assert_allclose(curv.as_matrix(), ref, rtol=1e-10, atol=1e-12)
 
 
-def test_float_class_ids_say_integers_are_expected(unchecked):
+@pytest.mark.parametrize(
+    "shape, fix, fixed",
+    [
+        ((N,), "labels.astype(jnp.int32)", lambda labels: labels.astype(jnp.int32)),
+        (
+            (N, 1),
+            "labels[..., 0].astype(jnp.int32)",
+            lambda labels: labels[..., 0].astype(jnp.int32),
+        ),
+    ],
+    ids=["(N,)", "(N, 1)"],
+)
+def test_float_class_ids_say_integers_are_expected(unchecked, shape, fix, fixed):
     model, (x, y) = _problem()
-    with pytest.raises(ValueError, match=r"`labels`.*integers.*astype\(jnp.int32\)"):
-        loss_fn(model, (x, y.astype(F64)))
+    labels = y.astype(F64).reshape(shape)
+    # What is expected (integer class ids of shape (N,), or probabilities of the
+    # logits' shape), what was given, and the fix for these labels.
+    match = (
+        rf"softmax_cross_entropy\(logits, labels\)`: `labels` must be integer class "
+        rf"ids of shape logits.shape\[:-1\] = \({N},\) \(an integer dtype, e\.g\. "
+        rf"`labels\.astype\(jnp\.int32\)`\) or probability `labels` \(floats\) of the "
+        rf"shape of `logits` \({N}, {CLASSES}\); got float `labels` of shape "
+        rf"{re.escape(str(shape))}\..*class ids must be integers.*{re.escape(fix)}"
+    )
+    with pytest.raises(ValueError, match=match):
+        loss_fn(model, (x, labels))
+    with pytest.raises(ValueError, match=match):
+        ef.curvature(
+            loss_fn, model, (x, labels), estimator=ef.GGN(), structure=ef.KFAC()
+        )
+    # The fix the message gives works.
+    np.testing.assert_allclose(
+        loss_fn(model, (x, fixed(labels))), loss_fn(model, (x, y)), rtol=1e-15
+    )
 
 
 # --- 5. and 6. Laplace hyperparameters and likelihood ----------------------------

@@ -147,7 +147,7 @@ def predictive_diagnosis(
     posterior: Laplace,
     x: PyTree,
     *,
-    apply: Callable[[PyTree, PyTree], Float[Array, " out"]] = _call,
+    apply: Callable[[PyTree, PyTree], Float[Array, " out"]] | None = None,
     chunk_size: int | None = None,
 ) -> PredictiveDiagnosis:
     r"""How broad the linearised predictive is on inputs `x`, and why.
@@ -165,8 +165,8 @@ def predictive_diagnosis(
 
     - `posterior`: a `Laplace`.
     - `x`: inputs, a PyTree with a leading example axis.
-    - `apply`: `apply(model, example) -> outputs` of shape `(D,)`; default
-        `model(example)`.
+    - `apply`: `apply(model, example) -> outputs` of shape `(D,)`; `None` (the
+        default) calls `model(example)`.
     - `chunk_size`: examples per vectorised step (default: all at once).
 
     **Returns:**
@@ -187,6 +187,7 @@ def predictive_diagnosis(
         ```
     """
     theta = posterior.mean
+    apply = _call if apply is None else apply
 
     def one(xi):
         out, jvp = jax.linearize(lambda t: apply(posterior.combine(t), xi), theta)

@@ -19,7 +19,7 @@ def glm_predictive(
     posterior: Laplace,
     x: PyTree,
     *,
-    apply: Callable[[PyTree, PyTree], Float[Array, " out"]] = _call,
+    apply: Callable[[PyTree, PyTree], Float[Array, " out"]] | None = None,
     chunk_size: int | None = None,
     output_chunk_size: int | None = None,
 ) -> tuple[Float[Array, "batch out"], Float[Array, "batch out out"]]:
@@ -39,8 +39,8 @@ def glm_predictive(
 
     - `posterior`: a `Laplace`.
     - `x`: inputs, a PyTree with a leading example axis.
-    - `apply`: `apply(model, example) -> outputs` of shape `(D,)`; default
-        `model(example)`.
+    - `apply`: `apply(model, example) -> outputs` of shape `(D,)`; `None` (the
+        default) calls `model(example)`.
     - `chunk_size`: examples per vectorised step (default: all at once).
     - `output_chunk_size`: outputs per vectorised step (default: all D at once).
 
@@ -61,6 +61,7 @@ def glm_predictive(
         ```
     """
     theta = posterior.mean
+    apply = _call if apply is None else apply
 
     def one(xi):
         out, jvp = jax.linearize(lambda t: apply(posterior.combine(t), xi), theta)
@@ -85,7 +86,7 @@ def predictive_samples(
     num_samples: int,
     *,
     linearised: bool = True,
-    apply: Callable[[PyTree, PyTree], Float[Array, " out"]] = _call,
+    apply: Callable[[PyTree, PyTree], Float[Array, " out"]] | None = None,
 ) -> Float[Array, "samples batch out"]:
     r"""Outputs under parameters drawn from the posterior (`Laplace.sample`).
 
@@ -118,6 +119,7 @@ def predictive_samples(
         ```
     """
     theta = posterior.mean
+    apply = _call if apply is None else apply
     samples = posterior.sample(key, num_samples)
 
     def outputs(t):

@@ -6,15 +6,15 @@ import optax
 from jaxtyping import Array, PyTree
 
 from .._curvature import Curvature
-from .._damping import AbstractDamping
+from .._damping import AbstractDamping, FactoredTikhonov
 from ._state import (
-    PI_DAMPING,
     KFACState,
     ScalarOrSchedule,
     all_finite,
     check_preconditioner_args,
     check_range,
     checked_at,
+    like_mismatch,
     require_estimate,
     value_at,
     where_tree,
@@ -47,10 +47,13 @@ def fold(
     ) or [jnp.shape(x) for x in jax.tree_util.tree_leaves(curvature)] != [
         jnp.shape(x) for x in jax.tree_util.tree_leaves(state.curvature)
     ]:
+        what = like_mismatch(state.curvature, curvature)
         raise ValueError(
             "`kfac_preconditioner.update(..., curvature=...)`: the curvature has "
-            "other blocks or shapes than the optimiser's `like=`; build `like` with "
-            "`eqfisher.optim.curvature_like` from the same function and model."
+            "other blocks or shapes than the optimiser's `like=`"
+            + (f": {what}" if what else "")
+            + "; build `like` with `eqfisher.optim.curvature_like` from the same "
+            "function and model."
         )
     finite = all_finite(curvature)
     n_good = state.curvature_count + finite.astype(jnp.int32)
@@ -123,7 +126,7 @@ def kfac_preconditioner(
     damping: ScalarOrSchedule = 1e-3,
     decay: float = 0.95,
     inverse_every: int = 5,
-    damping_variant: AbstractDamping = PI_DAMPING,
+    damping_variant: AbstractDamping = FactoredTikhonov(),  # noqa: B008 (an immutable Module)
     norm_constraint: float | None = 1e-2,
     learning_rate: ScalarOrSchedule = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
@@ -263,7 +266,7 @@ def kfac(
     decay: float = 0.95,
     inverse_every: int = 5,
     weight_decay: float = 0.0,
-    damping_variant: AbstractDamping = PI_DAMPING,
+    damping_variant: AbstractDamping = FactoredTikhonov(),  # noqa: B008 (an immutable Module)
     norm_constraint: float | None = 1e-2,
 ) -> optax.GradientTransformationExtraArgs:
     """K-FAC, ready to use: preconditioner, weight decay, momentum, learning rate.

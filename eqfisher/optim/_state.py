@@ -308,3 +308,53 @@ def curvature_ok(state: PyTree) -> Array:
         raise ValueError(
             "`curvature_ok(state)`: no K-FAC state found in `state`."
         ) from None
+
+
+def _fields(block: Any) -> list[str]:
+    """A block's arrays and their shapes, e.g. `['a (4, 4)', 'g (5, 5)']`."""
+    leaves = jax.tree_util.tree_flatten_with_path(block)[0]
+    return [
+        f"{jax.tree_util.keystr(path).lstrip('.')} {tuple(jnp.shape(leaf))}"
+        for path, leaf in leaves
+    ]
+
+
+def like_mismatch(like: Any, curvature: Any) -> str:
+    """What differs between the optimiser's `like` (as averaged in its state) and a
+    received `curvature`, for the error message: the first block, in the model's
+    order, that is missing, extra, or of another type or factor shapes (both
+    shown); "" where no block differs."""
+    if not (isinstance(like, Curvature) and isinstance(curvature, Curvature)):
+        return ""
+    want, got = like.blocks, curvature.blocks
+    for name in [*want, *(n for n in got if n not in want)]:
+        if name not in got:
+            return (
+                f"block `{name}` of `like` is missing from `curvature=` (whose "
+                f"blocks are {list(got)})"
+            )
+        if name not in want:
+            return (
+                f"`curvature=` has a block `{name}` that `like` has not (`like`'s "
+                f"blocks are {list(want)})"
+            )
+        a, b = want[name], got[name]
+        if type(a) is not type(b):
+            return (
+                f"block `{name}` is a {type(a).__name__} in `like` but a "
+                f"{type(b).__name__} in `curvature=`"
+            )
+        if _fields(a) != _fields(b):
+            return (
+                f"block `{name}` ({type(a).__name__}) has "
+                f"{', '.join(_fields(a))} in `like` but {', '.join(_fields(b))} "
+                "in `curvature=`"
+            )
+    want_shapes = [x.shape for x in jax.tree_util.tree_leaves(like.structure)]
+    got_shapes = [x.shape for x in jax.tree_util.tree_leaves(curvature.structure)]
+    if want_shapes != got_shapes:
+        return (
+            f"the parameters covered differ: leaf shapes {want_shapes} in `like`, "
+            f"{got_shapes} in `curvature=`"
+        )
+    return ""
