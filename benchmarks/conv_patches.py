@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 import eqfisher as ef
-from eqfisher import _statistics as stats
+from eqfisher._curvature import statistics as stats
 from eqfisher.internal import Traced, split
 
 

@@ -10,6 +10,7 @@ from . import (
     losses as losses,
     optim as optim,
     spectral as spectral,
+    tracing as tracing,
 )
 from ._compat import hide_frames as _hide_frames
 from ._config import (
@@ -18,28 +19,31 @@ from ._config import (
     current_config as current_config,
 )
 from ._curvature import (
-    Curvature as Curvature,
-    curvature as curvature,
-    value_grad_and_curvature as value_grad_and_curvature,
-)
-from ._declare import register_dense as register_dense
-from ._estimators import (
+    EKFAC as EKFAC,
     GGN as GGN,
+    KFAC as KFAC,
     AbstractEstimator as AbstractEstimator,
+    AbstractExamples as AbstractExamples,
+    AbstractKroneckerStructure as AbstractKroneckerStructure,
+    AbstractStructure as AbstractStructure,
+    BlockDiagonal as BlockDiagonal,
+    BlockMemory as BlockMemory,
+    Curvature as Curvature,
+    Dense as Dense,
+    Diagonal as Diagonal,
     EmpiricalFisher as EmpiricalFisher,
     FisherExact as FisherExact,
     FisherMC as FisherMC,
-)
-from ._examples import (
-    AbstractExamples as AbstractExamples,
+    Group as Group,
     IndependentExamples as IndependentExamples,
     InteractingExamples as InteractingExamples,
-)
-from ._layers import LayerInfo as LayerInfo
-from ._memory import (
-    BlockMemory as BlockMemory,
     MemoryEstimate as MemoryEstimate,
+    Needs as Needs,
+    PerLayer as PerLayer,
+    Statistics as Statistics,
+    curvature as curvature,
     memory_estimate as memory_estimate,
+    value_grad_and_curvature as value_grad_and_curvature,
 )
 from ._products import (
     empirical_fisher_operator as empirical_fisher_operator,
@@ -47,21 +51,15 @@ from ._products import (
     hessian_operator as hessian_operator,
     stop_hessian as stop_hessian,
 )
-from ._structures import (
-    EKFAC as EKFAC,
-    KFAC as KFAC,
-    AbstractKroneckerStructure as AbstractKroneckerStructure,
-    AbstractStructure as AbstractStructure,
-    BlockDiagonal as BlockDiagonal,
-    Dense as Dense,
-    Diagonal as Diagonal,
-    Group as Group,
-    Needs as Needs,
-    PerLayer as PerLayer,
-    Statistics as Statistics,
+from .losses import (
+    register_loss as register_loss,
+    sigmoid_cross_entropy as sigmoid_cross_entropy,
+    softmax_cross_entropy as softmax_cross_entropy,
+    squared_error as squared_error,
 )
-from ._tracing import (
+from .tracing import (
     LayerData as LayerData,
+    LayerInfo as LayerInfo,
     LayerReport as LayerReport,
     RegisteredLoss as RegisteredLoss,
     find_layers as find_layers,
@@ -69,12 +67,7 @@ from ._tracing import (
     loss_tags_hvp as loss_tags_hvp,
     loss_tags_jvp as loss_tags_jvp,
     loss_tags_vjp as loss_tags_vjp,
-)
-from .losses import (
-    register_loss as register_loss,
-    sigmoid_cross_entropy as sigmoid_cross_entropy,
-    softmax_cross_entropy as softmax_cross_entropy,
-    squared_error as squared_error,
+    register_dense as register_dense,
 )
 
 

@@ -15,10 +15,8 @@ from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
 from . import optim
-from ._curvature import value_grad_and_curvature
-from ._estimators import FisherMC
-from ._structures import KFAC
-from ._tracing import find_layers
+from ._curvature import KFAC, FisherMC, value_grad_and_curvature
+from ._tracer import find_layers
 from .losses import softmax_cross_entropy
 
 

@@ -9,7 +9,7 @@ import lineax as lx
 from jaxtyping import Array, Float, PyTree
 
 from ._stop_hessian import stop_hessian as stop_hessian
-from ._tracing import Traced, split
+from ._tracer import Traced, split
 
 
 def _structure(model: PyTree) -> PyTree:

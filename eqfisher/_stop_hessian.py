@@ -46,7 +46,7 @@ def _strong(x: Any) -> Any:
 
 
 # Marks each output of `stop_hessian`, so that eqfisher's tracer knows that the
-# value adds no curvature (see `eqfisher._objective`).
+# value adds no curvature (see `eqfisher._tracer.analyses.objective`).
 hessian_stopped_p = _compat.define_marker_primitive("eqfisher_hessian_stopped")
 
 

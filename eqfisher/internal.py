@@ -6,19 +6,21 @@ minor versions. It exists so that tests and benchmarks need no private module
 """
 
 from ._cli import main as main  # the `eqfisher` console script, with its argv
-from ._example_axes import MIXED as MIXED, jaxpr_labels as jaxpr_labels
-from ._layers import LayerRecord as LayerRecord, detect as detect
-from ._patches import conv_patches as conv_patches
-from ._statistics import (
+from ._curvature import (
+    conv_patches as conv_patches,
     kronecker_factors as kronecker_factors,
     layer_outputs_vjp as layer_outputs_vjp,
     per_example_taps as per_example_taps,
     pooled_factors as pooled_factors,
 )
-from ._tracing import (
+from ._tracer import (
+    MIXED as MIXED,
+    LayerRecord as LayerRecord,
     ProcessedTrace as ProcessedTrace,
     Split as Split,
     Traced as Traced,
+    detect as detect,
+    jaxpr_labels as jaxpr_labels,
     split as split,
     trace as trace,
 )

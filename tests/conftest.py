@@ -19,6 +19,14 @@ import jaxtyping  # noqa: E402
 import pytest  # noqa: E402
 
 
+# Eight CPU devices, for the data-parallel tests (tests/test_sharding.py); must be set
+# before JAX initialises its backend. Every other test runs on the default device,
+# the first of them, as on one device: a program sees several devices only when its
+# inputs are sharded over a `Mesh`. Processes that tests start (the workers of
+# test_multiprocess.py and test_no_hang.py) do not inherit this setting.
+jax.config.update("jax_num_cpu_devices", 8)
+
+
 # Reference comparisons are made in float64; rank and dtype promotion are strict so
 # that shape or dtype slips in eqfisher fail loudly instead of broadcasting silently.
 jax.config.update("jax_enable_x64", True)

@@ -9,7 +9,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from helpers import block_slices, ravelled
+
+from .helpers import block_slices, ravelled
 
 
 def _identity(h):

@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from helpers import block_slices, dense_ggn, tree_allclose
-from zoo import GRUClassifier
 
 import eqfisher as ef
+
+from .helpers import block_slices, dense_ggn, tree_allclose
+from .zoo import GRUClassifier
 
 
 def _f64(tree):

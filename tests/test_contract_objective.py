@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from helpers import block_slices, dense_ggn, dense_hessian, tree_allclose
 
 import eqfisher as ef
+
+from .helpers import block_slices, dense_ggn, dense_hessian, tree_allclose
 
 
 def _model():

@@ -6,9 +6,10 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from helpers import dense_ggn
 
 import eqfisher as ef
+
+from .helpers import dense_ggn
 
 
 def _setup():

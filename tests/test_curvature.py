@@ -17,15 +17,16 @@ import jax.random as jr
 import lineax as lx
 import numpy as np
 import pytest
-from helpers import (
+
+import eqfisher as ef
+
+from .helpers import (
     block_slices,
     dense_empirical_fisher,
     dense_ggn,
     ravelled,
     tree_allclose,
 )
-
-import eqfisher as ef
 
 
 F64 = jnp.float64

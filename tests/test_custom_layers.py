@@ -9,11 +9,12 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from helpers import dense_ggn, ravelled
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 import eqfisher as ef
+
+from .helpers import dense_ggn, ravelled
 
 
 F64 = jnp.float64

@@ -48,6 +48,7 @@ SUBMODULES = (
     "spectral",
     "laplace",
     "influence",
+    "tracing",
 )
 
 

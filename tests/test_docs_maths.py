@@ -18,7 +18,8 @@ import pathlib
 import re
 
 import pytest
-from test_docs import _documented_objects
+
+from .test_docs import _documented_objects
 
 
 ROOT = pathlib.Path(__file__).parents[1]

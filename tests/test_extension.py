@@ -7,15 +7,16 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from kfac_reference import (
+
+import eqfisher as ef
+
+from .kfac_reference import (
     as_matrix,
     dense_ggn,
     kfac_factors,
     kronecker_dense,
     layer_slice,
 )
-
-import eqfisher as ef
 
 
 F64 = jnp.float64

@@ -7,16 +7,17 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from helpers import ravelled, tree_allclose
-from kfac_reference import (
+
+import eqfisher as ef
+
+from .helpers import ravelled, tree_allclose
+from .kfac_reference import (
     as_matrix,
     cross_entropy,
     kfac_factors,
     kronecker_dense,
     layer_slice,
 )
-
-import eqfisher as ef
 
 
 F64 = jnp.float64

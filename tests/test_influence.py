@@ -13,11 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import dense_ggn_cross_entropy, ravelled
 from jax.flatten_util import ravel_pytree
 
 import eqfisher as ef
 import eqfisher.influence as inf
+
+from .helpers import dense_ggn_cross_entropy, ravelled
 
 
 N, Q, D_IN, D_OUT, DAMPING = 11, 3, 3, 4, 0.05

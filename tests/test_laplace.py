@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import dense_ggn, dense_ggn_cross_entropy
 from jax.flatten_util import ravel_pytree
 
 import eqfisher as ef
 import eqfisher.laplace as la
+
+from .helpers import dense_ggn, dense_ggn_cross_entropy
 
 
 N, D_IN, D_OUT = 12, 3, 4

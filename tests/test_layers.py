@@ -6,10 +6,11 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from zoo import BY_NAME, F64, ZOO, ZooEntry
 
 import eqfisher as ef
 from eqfisher.internal import split, trace
+
+from .zoo import BY_NAME, F64, ZOO, ZooEntry
 
 
 @pytest.mark.parametrize("entry", ZOO, ids=[e.name for e in ZOO])

@@ -7,9 +7,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
-from zoo import BY_NAME
 
 import eqfisher as ef
+
+from .zoo import BY_NAME
 
 
 def _nbytes(tree) -> int:

@@ -10,10 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import dense_empirical_fisher, dense_ggn
 
 import eqfisher
 import eqfisher as ef
+
+from .helpers import dense_empirical_fisher, dense_ggn
 
 
 F64 = jnp.float64
@@ -240,8 +241,7 @@ def test_derivatives_are_compared_where_a_stop_gradient_mixes_examples(
     # The derivative check (a JVP per example) costs about as much to compile as
     # the rest of the per-example pass: it runs only where values can hide a
     # coupling, a stop_gradient of several examples' data.
-    from eqfisher._example_axes import stops_mixed_gradients
-    from eqfisher._tracing import split, trace
+    from eqfisher._tracer import split, stops_mixed_gradients, trace
 
     model, batch = _problem()
     s = split(model, batch)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from multiprocess_worker import compute, problem
+
+from .multiprocess_worker import compute, problem
 
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
@@ -31,7 +32,7 @@ def _free_port() -> int:
 def _environment() -> dict[str, str]:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     # The worker sets its own device count (`jax_num_cpu_devices`); a forced count
-    # inherited from the environment (as in the sharded CI pass) would conflict.
+    # inherited from the environment (`XLA_FLAGS`) would conflict.
     flags = [
         f
         for f in env.get("XLA_FLAGS", "").split()
@@ -112,7 +113,7 @@ RESULTS = (
 # One test, not one per result: under pytest-xdist, tests of one module can land on
 # different workers, and each would start its own cluster.
 def test_two_processes_equal_one(tmp_path):
-    from helpers import dense_ggn_cross_entropy
+    from .helpers import dense_ggn_cross_entropy
 
     cluster = _Cluster(tmp_path)
     try:

@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import block_slices, dense_ggn_cross_entropy
 from jax.flatten_util import ravel_pytree
 
 import eqfisher as ef
+
+from .helpers import block_slices, dense_ggn_cross_entropy
 
 
 STRUCTURES = [ef.Dense(), ef.BlockDiagonal(), ef.Diagonal(), ef.KFAC(), ef.EKFAC()]

@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import tree_allclose
 
 import eqfisher as ef
 from eqfisher import optim
+
+from .helpers import tree_allclose
 
 
 # The problem, its curvature template, the optimisers and their compiled steps are

@@ -7,8 +7,11 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from helpers import ravelled, tree_allclose
-from kfac_reference import (
+
+import eqfisher as ef
+
+from .helpers import ravelled, tree_allclose
+from .kfac_reference import (
     as_matrix,
     cross_entropy,
     dense_ggn,
@@ -16,8 +19,6 @@ from kfac_reference import (
     kronecker_dense,
     layer_slice,
 )
-
-import eqfisher as ef
 
 
 F64 = jnp.float64

@@ -9,8 +9,11 @@ import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 import pytest
-from helpers import dense_hessian, ravelled, tree_allclose
-from test_curvature import (
+
+import eqfisher as ef
+
+from .helpers import dense_hessian, ravelled, tree_allclose
+from .test_curvature import (
     DAMPING,
     LOSS_FNS,
     LOSSES,
@@ -25,8 +28,6 @@ from test_curvature import (
     small_batch,
     small_mlp,
 )
-
-import eqfisher as ef
 
 
 # name: (operator, reference (model, batch, loss) -> dense matrix, symmetric, PSD)

@@ -6,9 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import dense_ggn_cross_entropy, tree_allclose
 
 import eqfisher as ef
+
+from .helpers import dense_ggn_cross_entropy, tree_allclose
 
 
 F64 = jnp.float64

@@ -7,11 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import dense_ggn_cross_entropy
 
 import eqfisher as ef
 from eqfisher import internal as stats
 from eqfisher.internal import Traced, layer_outputs_vjp, split
+
+from .helpers import dense_ggn_cross_entropy
 
 
 F64 = jnp.float64

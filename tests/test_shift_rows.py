@@ -15,11 +15,12 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from helpers import block_slices, dense_empirical_fisher, dense_ggn, perturbed
 from jax.flatten_util import ravel_pytree
-from zoo import GRUClassifier
 
 import eqfisher as ef
+
+from .helpers import block_slices, dense_empirical_fisher, dense_ggn, perturbed
+from .zoo import GRUClassifier
 
 
 F64 = jnp.float64

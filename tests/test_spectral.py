@@ -24,11 +24,12 @@ import jax.random as jr
 import lineax as lx
 import numpy as np
 import pytest
-from helpers import dense_empirical_fisher, dense_ggn_cross_entropy, dense_hessian
 from jax.flatten_util import ravel_pytree
 
 import eqfisher as ef
 from eqfisher import spectral as sp
+
+from .helpers import dense_empirical_fisher, dense_ggn_cross_entropy, dense_hessian
 
 
 F64 = jnp.float64

@@ -25,10 +25,11 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from helpers import dense_ggn_cross_entropy, perturbed
 
 import eqfisher as ef
 from eqfisher.internal import Traced, per_example_taps, split
+
+from .helpers import dense_ggn_cross_entropy, perturbed
 
 
 F64 = jnp.float64

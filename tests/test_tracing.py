@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from helpers import tree_allclose
-from zoo import BY_NAME, ZOO, ZooEntry
 
 import eqfisher as ef
 from eqfisher.internal import LayerRecord, split, trace
+
+from .helpers import tree_allclose
+from .zoo import BY_NAME, ZOO, ZooEntry
 
 
 IDS = [e.name for e in ZOO]

@@ -9,8 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
-from .._curvature import Curvature
-from .._curvature_operator import leaf_shapes
+from .._curvature import Curvature, leaf_shapes
 from ..blocks import (
     AbstractBlock,
     DiagonalBlock,

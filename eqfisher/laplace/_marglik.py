@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, PyTree, ScalarLike
 
-from .._structures import AbstractStructure
+from .._curvature import AbstractStructure
 from ._blockwise import block_values
 from ._posterior import Laplace, Likelihood, fit
 

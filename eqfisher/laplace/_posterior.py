@@ -10,10 +10,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree, ScalarLike
 
-from .._curvature import Curvature, curvature
-from .._estimators import GGN, AbstractEstimator
-from .._structures import AbstractStructure
-from .._tracing import loss_tags_jvp
+from .._curvature import GGN, AbstractEstimator, AbstractStructure, Curvature, curvature
+from .._tracer import loss_tags_jvp
 from ..losses import Bernoulli, Categorical, Gaussian
 from ._blockwise import (
     block_size,

@@ -15,22 +15,22 @@ be the body of a `lax.scan`, and a fresh `init` is a template for
 `eqx.tree_deserialise_leaves`.
 """
 
-from .._adaptive import (
-    AdaptiveState as AdaptiveState,
-    QuadraticModel as QuadraticModel,
-    quadratic_model as quadratic_model,
+from ._adaptive_kfac import (
+    AdaptiveKFACState as AdaptiveKFACState,
+    kfac_adaptive as kfac_adaptive,
 )
-from .._damping import (
+from ._damping import (
     AbstractDamping as AbstractDamping,
     FactoredTikhonov as FactoredTikhonov,
     Tikhonov as Tikhonov,
     tikhonov_inverse as tikhonov_inverse,
 )
-from ._adaptive_kfac import (
-    AdaptiveKFACState as AdaptiveKFACState,
-    kfac_adaptive as kfac_adaptive,
-)
 from ._kfac import kfac as kfac, kfac_preconditioner as kfac_preconditioner
+from ._quadratic_model import (
+    AdaptiveState as AdaptiveState,
+    QuadraticModel as QuadraticModel,
+    quadratic_model as quadratic_model,
+)
 from ._state import (
     CURVATURE_UPDATE_PERIOD as CURVATURE_UPDATE_PERIOD,
     DAMPING as DAMPING,

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .._adaptive import AdaptiveState, adaptive_steps
 from .._curvature import Curvature
-from .._damping import Tikhonov
+from ._damping import Tikhonov
 from ._kfac import fold, guard, initial_state, precondition
+from ._quadratic_model import AdaptiveState, adaptive_steps
 from ._state import (
     KFACState,
     check_preconditioner_args,

@@ -6,7 +6,7 @@ import optax
 from jaxtyping import Array, PyTree
 
 from .._curvature import Curvature
-from .._damping import AbstractDamping, FactoredTikhonov
+from ._damping import AbstractDamping, FactoredTikhonov
 from ._state import (
     KFACState,
     ScalarOrSchedule,

@@ -12,7 +12,7 @@ import optax
 from jaxtyping import Array, Float, Int, PyTree
 
 from .._curvature import Curvature
-from .._damping import FactoredTikhonov
+from ._damping import FactoredTikhonov
 
 
 ScalarOrSchedule = float | Float[Array, ""] | optax.Schedule

@@ -9,9 +9,7 @@ import optax
 from jaxtyping import PyTree
 
 from .. import _compat
-from .._curvature import value_grad_and_curvature
-from .._estimators import AbstractEstimator
-from .._structures import AbstractStructure
+from .._curvature import AbstractEstimator, AbstractStructure, value_grad_and_curvature
 from ._state import (
     between_estimates,
     check_positive_int,

@@ -1,0 +1,192 @@
+"""The Kronecker-factored structures: `AbstractKroneckerStructure` and its
+subclasses `KFAC` and `EKFAC`."""
+
+import abc
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+
+from ... import filters
+from ...blocks import AbstractBlock
+from .protocol import (
+    AbstractStructure,
+    Group,
+    Needs,
+    Statistics,
+    WeightSharing,
+)
+
+
+class AbstractKroneckerStructure(AbstractStructure):
+    """Kronecker-factored blocks for the layers that have Kronecker factors, and
+    the exact diagonal for every other parameter (scale-and-shift layers, leaves in
+    no layer, a layer whose weight is not selected).
+
+    Subclasses set `weight_sharing` and implement `kronecker_needs` and
+    `kronecker_block`.
+
+    !!! Example
+
+        K-FAC itself, as the smallest subclass:
+
+        ```python
+        class MyKFAC(ef.AbstractKroneckerStructure):
+            weight_sharing: str = "expand"
+
+            def kronecker_needs(self):
+                return ef.Needs(kronecker=True, weight_sharing=self.weight_sharing)
+
+            def kronecker_block(self, group, statistics):
+                return statistics.kronecker()  # G ⊗ A
+
+        mine = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=MyKFAC()
+        )
+        kfac = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        assert isinstance(mine.blocks["layers[1]"], ef.blocks.KroneckerFactored)
+        assert jnp.allclose(mine.as_matrix(), kfac.as_matrix(), atol=1e-6)
+        ```
+    """
+
+    weight_sharing: eqx.AbstractVar[WeightSharing]
+
+    def __check_init__(self):
+        if self.weight_sharing not in ("expand", "reduce"):
+            raise ValueError(
+                f"`eqfisher.{type(self).__name__}(weight_sharing=...)`: expected "
+                f"'expand' or 'reduce', got {self.weight_sharing!r}."
+            )
+
+    def groups(self, candidates, model, caller):
+        for g in candidates:
+            if g.unsupported is None:
+                continue
+            head = f"`{caller}(..., structure={self!r})`: layer `{g.name}` "
+            if len(candidates) == 1:
+                raise ValueError(
+                    f"{head}{g.unsupported}, and it holds every parameter selected. "
+                    "Use another structure for it: structure=eqfisher.Diagonal(), "
+                    "eqfisher.BlockDiagonal() or eqfisher.Dense()."
+                )
+            where = _selecting(g, model)
+            raise ValueError(
+                f"{head}{g.unsupported}. Exclude it with `where=~{where}`, give it "
+                f"another structure with `structure=eqfisher.PerLayer(({where}, "
+                f"eqfisher.Diagonal()), default={self!r})`, or use "
+                "structure=eqfisher.Diagonal()."
+            )
+        return candidates
+
+    @abc.abstractmethod
+    def kronecker_needs(self) -> Needs:
+        """The statistics of a layer with Kronecker factors."""
+
+    @abc.abstractmethod
+    def kronecker_block(self, group: Group, statistics: Statistics) -> AbstractBlock:
+        """The block of a layer with Kronecker factors."""
+
+    def needs(self, group):
+        return self.kronecker_needs() if group.kronecker else Needs(examples=True)
+
+    def block(self, group, statistics):
+        if group.kronecker:
+            return self.kronecker_block(group, statistics)
+        return statistics.diagonal()
+
+
+def _selecting(group: Group, model) -> str:
+    """A filter, written out, that selects exactly the parameters of `group`: its
+    name's `by_path('name.*')` where that is exact, else one `by_path` per path."""
+    params = [
+        p
+        for p, x in jax.tree_util.tree_flatten_with_path(model)[0]
+        if eqx.is_inexact_array(x)
+    ]
+    pattern = f"{group.name}.*"
+    by_name = filters.by_path(pattern)
+    chosen = {jax.tree_util.keystr(p) for p in params if by_name(p, None, ())}
+    if chosen == set(group.paths):
+        return f"eqfisher.filters.by_path({pattern!r})"
+    each = [f"eqfisher.filters.by_path({p.removeprefix('.')!r})" for p in group.paths]
+    return each[0] if len(each) == 1 else f"({' | '.join(each)})"
+
+
+class KFAC(AbstractKroneckerStructure):
+    r"""Kronecker-factored blocks for dense, conv and embedding layers (K-FAC).
+
+    $A$ is the mean over locations of $\tilde a \tilde a^\top$ ($\tilde a = [a; 1]$
+    with a bias), $G$ the sum over locations of $g g^\top$, $g$ the output cotangents
+    of the loss-weighted output vectors; for one example $G \otimes A$ is the exact
+    block (on the row-major vec of the `(out, in)` weight matrix).
+
+    **Arguments:**
+
+    - `weight_sharing`: for layers applied at several locations per example
+      (sequence positions, conv patches), the variant of Eschenhagen et al.
+      (NeurIPS 2023). `"expand"` treats every location as an example; `"reduce"`
+      first averages the inputs and sums the output cotangents over each example's
+      locations. They coincide when each example has one location. The example axis
+      is the first location axis of the layer (the batch axis under `jax.vmap`).
+    - `max_factor_dim`: `None` (default), or a size above which a factor (A or G)
+      is kept diagonal: its diagonal, stored as a vector, as kfac_jax does for
+      large embeddings and output layers. Memory and solves are then linear in that
+      factor's size.
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+        block = curv.blocks["layers[0]"]  # an eqfisher.blocks.KroneckerFactored
+        print(block.a.shape, block.g.shape)  # (5, 5) (8, 8): 4 inputs and a bias, 8 outputs
+        ```
+    """
+
+    weight_sharing: WeightSharing = eqx.field(static=True, default="expand")
+    max_factor_dim: int | None = eqx.field(static=True, default=None)
+    steps_alike: ClassVar[bool] = True
+
+    def __check_init__(self):
+        m = self.max_factor_dim
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(
+                "`eqfisher.KFAC(max_factor_dim=...)`: expected None or a positive "
+                f"int, got {m!r}."
+            )
+
+    def kronecker_needs(self):
+        return Needs(
+            kronecker=True,
+            weight_sharing=self.weight_sharing,
+            max_factor_dim=self.max_factor_dim,
+        )
+
+    def kronecker_block(self, group, statistics):
+        return statistics.kronecker()
+
+
+class EKFAC(AbstractKroneckerStructure):
+    """K-FAC eigenbases with the exact diagonal of the curvature in that basis.
+
+    **Arguments:**
+
+    - `weight_sharing`: the K-FAC variant whose eigenbases are used (see `KFAC`).
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.EKFAC())
+        step = curv.solve(grads, 1e-3)
+        ```
+    """
+
+    weight_sharing: WeightSharing = eqx.field(static=True, default="expand")
+    steps_alike: ClassVar[bool] = True
+
+    def kronecker_needs(self):
+        return Needs(kronecker=True, examples=True, weight_sharing=self.weight_sharing)
+
+    def kronecker_block(self, group, statistics):
+        return statistics.eigen_kronecker()

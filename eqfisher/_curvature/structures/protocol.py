@@ -1,0 +1,324 @@
+"""What a curvature structure is: `AbstractStructure` and the values it works
+with, `Group` (the parameters of one block), `Needs` (the statistics a block is
+built from) and `Statistics` (those statistics, with the blocks they give).
+"""
+
+import abc
+import dataclasses
+from typing import ClassVar, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PyTree
+
+from ..._tracer import LayerInfo, LayerRecord
+from ...blocks import (
+    AbstractBlock,
+    DiagonalBlock,
+    EigenKroneckerFactored,
+    Full,
+    KroneckerFactored,
+    ekfac_from_kronecker,
+)
+from ...blocks._layout import to_matrix
+
+
+GIB = 2**30
+
+
+def matrix_gib(sizes: list[int], dtype) -> float:
+    """GiB of a dense square matrix over parameters of these sizes (statistics
+    are at least float32)."""
+    n = sum(sizes)
+    return n * n * max(jnp.dtype(dtype).itemsize, 4) / GIB
+
+
+WeightSharing = Literal["expand", "reduce"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """The parameters of one block: a layer's selected leaves, a leaf in no layer, or
+    a union of these (`Group.merge`).
+
+    **Fields:**
+
+    - `name`: the block's name in `Curvature.blocks` (the layer's model path, or a
+      parameter path for a leaf in no layer).
+    - `layer`: the `eqfisher.LayerInfo` of the layer, or None.
+    - `paths`: the parameters' paths, in operand order.
+    - `shapes`: the parameters as `jax.ShapeDtypeStruct`s: the block's operand.
+    - `kronecker`: whether Kronecker factors can be computed (a dense, conv or
+      embedding layer whose weight is selected).
+    - `unsupported`: why a layer with a weight has no Kronecker factors (a phrase
+      following its name), or None.
+
+    The other fields are eqfisher's bookkeeping: parameter numbers, the layer
+    applications, and which part of a `PerLayer` builds the block.
+
+    !!! Example
+
+        A structure receives one candidate `Group` per layer; merging them gives one
+        dense block over everything, as `Dense()`:
+
+        ```python
+        class OneBlock(ef.AbstractStructure):
+            def groups(self, candidates, model, caller):
+                assert [g.name for g in candidates] == ["layers[0]", "layers[1]"]
+                assert candidates[0].paths == (".layers[0].weight", ".layers[0].bias")
+                assert candidates[0].kronecker  # a dense layer, its weight selected
+                return (ef.Group.merge(candidates, "everything"),)
+
+            def needs(self, group):
+                return ef.Needs(examples=True)
+
+            def block(self, group, statistics):
+                return statistics.full()
+
+        mine = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=OneBlock()
+        )
+        dense = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.Dense()
+        )
+        assert list(mine.blocks) == ["everything"]
+        assert jnp.allclose(mine.as_matrix(), dense.as_matrix(), atol=1e-6)
+        ```
+    """
+
+    name: str
+    layer: LayerInfo | None
+    paths: tuple[str, ...]
+    shapes: tuple[jax.ShapeDtypeStruct, ...]
+    kronecker: bool
+    unsupported: str | None
+    leaves: tuple[int, ...]
+    units: tuple[tuple[int, tuple[int, ...]], ...]
+    records: tuple[LayerRecord, ...]
+    route: tuple[int, ...] = ()
+
+    @staticmethod
+    def merge(groups: tuple["Group", ...], name: str) -> "Group":
+        """One group over the parameters of `groups`, in model order, in no layer."""
+        items = sorted(
+            (u, i, p, s)
+            for g in groups
+            for u, i, p, s in zip(g.units, g.leaves, g.paths, g.shapes)
+        )
+        return Group(
+            name=name,
+            layer=None,
+            paths=tuple(p for _, _, p, _ in items),
+            shapes=tuple(s for _, _, _, s in items),
+            kronecker=False,
+            unsupported=None,
+            leaves=tuple(i for _, i, _, _ in items),
+            units=tuple(u for u, _, _, _ in items),
+            records=(),
+        )
+
+
+class Needs(eqx.Module):
+    """The statistics a structure builds one block from.
+
+    **Fields:**
+
+    - `kronecker`: K-FAC's factors A and G (only for a group with
+      `Group.kronecker`).
+    - `examples`: exact per-example vectors, whose outer products sum to the block.
+    - `weight_sharing`: the K-FAC variant of the factors, `"expand"` or `"reduce"`
+      (see `KFAC`).
+    - `max_factor_dim`: `None`, or a size above which a factor is computed as its
+      diagonal only (a vector in `Statistics`).
+
+    !!! Example
+
+        What the built-in structures ask for:
+
+        ```python
+        needs = ef.KFAC(weight_sharing="reduce").kronecker_needs()
+        assert needs.kronecker and not needs.examples
+        assert needs.weight_sharing == "reduce"
+        assert ef.EKFAC().kronecker_needs().examples  # EKFAC's exact diagonal too
+        ```
+    """
+
+    kronecker: bool = eqx.field(static=True, default=False)
+    examples: bool = eqx.field(static=True, default=False)
+    weight_sharing: WeightSharing = eqx.field(static=True, default="expand")
+    max_factor_dim: int | None = eqx.field(static=True, default=None)
+
+
+class Statistics(eqx.Module):
+    r"""What a structure receives to build one block: the statistics it asked for in
+    `Needs` (the others are None), in at least float32.
+
+    **Fields:**
+
+    - `shapes`: static; the block's operand (its parameters, as
+      `jax.ShapeDtypeStruct`s).
+    - `a`, `g`: K-FAC's input factor A `(d_in', d_in')` (d_in' = d_in + 1 with a
+      bias, its coordinate last) and output factor G `(d_out, d_out)`; a factor
+      above `Needs.max_factor_dim` is its diagonal, a vector.
+    - `weight_perm`: static; how the weight maps to its `(d_out, d_in)` matrix view
+      (see `eqfisher.blocks.KroneckerFactored`).
+    - `rows`: per operand leaf, the per-example vectors `(m, *leaf.shape)`: the
+      curvature block is $\sum_i u_i u_i^\top$ over the ravelled rows $u_i$.
+
+    !!! Example
+
+        A K-FAC variant that builds its blocks from the factors itself, here with
+        G doubled:
+
+        ```python
+        class DoubledG(ef.AbstractKroneckerStructure):
+            weight_sharing: str = "expand"
+
+            def kronecker_needs(self):
+                return ef.Needs(kronecker=True)
+
+            def kronecker_block(self, group, statistics):
+                return ef.blocks.KroneckerFactored(
+                    statistics.a,  # (d_in + 1, d_in + 1): the bias coordinate last
+                    2 * statistics.g,  # (d_out, d_out)
+                    weight_perm=statistics.weight_perm,
+                    structure=statistics.shapes,
+                )
+
+        mine = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=DoubledG()
+        )
+        kfac = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        block = mine.blocks["layers[0]"]  # eqx.nn.Linear(4, 8)
+        assert block.a.shape == (5, 5) and block.g.shape == (8, 8)
+        assert jnp.allclose(block.g, 2 * kfac.blocks["layers[0]"].g)
+        ```
+    """
+
+    shapes: tuple[jax.ShapeDtypeStruct, ...] = eqx.field(static=True)
+    a: Float[Array, "d_in d_in"] | Float[Array, " d_in"] | None = None
+    g: Float[Array, "d_out d_out"] | Float[Array, " d_out"] | None = None
+    weight_perm: tuple[int, ...] | None = eqx.field(static=True, default=None)
+    rows: tuple[Float[Array, "m ..."], ...] | None = None
+
+    def _rows(self, method: str) -> tuple[Array, ...]:
+        if self.rows is None:
+            raise ValueError(
+                f"`Statistics.{method}()` needs per-example vectors: return "
+                "`eqfisher.Needs(examples=True)` from the structure's `needs`."
+            )
+        return self.rows
+
+    def _factors(self, method: str) -> tuple[Array, Array]:
+        if self.a is None or self.g is None:
+            raise ValueError(
+                f"`Statistics.{method}()` needs Kronecker factors: return "
+                "`eqfisher.Needs(kronecker=True)` from the structure's `needs` "
+                "(for a group with `Group.kronecker`)."
+            )
+        return self.a, self.g
+
+    def full(self) -> Full:
+        """The exact block, dense, from the per-example vectors."""
+        rows = self._rows("full")
+        m = jnp.concatenate([r.reshape(r.shape[0], -1) for r in rows], axis=1)
+        return Full(m.T @ m, self.shapes)
+
+    def diagonal(self) -> DiagonalBlock:
+        """The exact diagonal of the block, from the per-example vectors."""
+        return DiagonalBlock(
+            tuple(jnp.sum(r**2, axis=0) for r in self._rows("diagonal"))
+        )
+
+    def kronecker(self) -> KroneckerFactored:
+        r"""The K-FAC block $G \otimes A$ (a vector factor is diagonal)."""
+        a, g = self._factors("kronecker")
+        return KroneckerFactored(
+            a, g, weight_perm=self.weight_perm, structure=self.shapes
+        )
+
+    def eigen_kronecker(self) -> EigenKroneckerFactored:
+        """The EKFAC block: K-FAC's eigenbases with the exact diagonal of the block in
+        that basis (from the per-example vectors)."""
+        rows = self._rows("eigen_kronecker")
+        d_out = self._factors("eigen_kronecker")[1].shape[0]
+        mats = jax.vmap(lambda *v: to_matrix(v, self.weight_perm, d_out))(*rows)
+        return ekfac_from_kronecker(self.kronecker(), mats)
+
+
+class AbstractStructure(eqx.Module):
+    """How the curvature is approximated.
+
+    A structure implements three methods, which `eqfisher.curvature` calls in turn:
+
+    - `groups(candidates, model, caller)`: the blocks, as `Group`s, given one
+      candidate group per layer (its selected leaves) and per selected leaf in no
+      layer. Return `candidates` for one block per layer; merge them with
+      `Group.merge`.
+    - `needs(group)`: the `Needs` of one block.
+    - `block(group, statistics)`: the block, an `eqfisher.blocks.AbstractBlock` on
+      the operand `group.shapes`, from the `Statistics` asked for.
+
+    !!! Example
+
+        The exact diagonal, one block per layer (what `Diagonal()` does):
+
+        ```python
+        class MyDiagonal(ef.AbstractStructure):
+            def groups(self, candidates, model, caller):
+                return candidates  # one block per layer
+
+            def needs(self, group):
+                return ef.Needs(examples=True)  # the per-example vectors
+
+            def block(self, group, statistics):
+                return statistics.diagonal()
+
+        mine = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=MyDiagonal()
+        )
+        exact = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.Dense()
+        )
+        assert jnp.allclose(
+            jnp.diag(mine.as_matrix()), jnp.diag(exact.as_matrix()), atol=1e-6
+        )
+        ```
+
+    A structure whose `needs` and `block` read a group only through its `shapes`
+    and `kronecker` (not its name or parameters) sets the class variable
+    `steps_alike = True`: the blocks of a layer stacked with `eqx.filter_vmap` and
+    applied by `lax.scan` (one per step) are then built at once, by `jax.vmap` over
+    the steps' statistics, which compiles one batched computation instead of one
+    per step. eqfisher's `KFAC`, `EKFAC`, `Diagonal` and `BlockDiagonal` do.
+    """
+
+    steps_alike: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def groups(
+        self, candidates: tuple[Group, ...], model: PyTree, caller: str
+    ) -> tuple[Group, ...]:
+        """The blocks over the `candidates` (one per layer and per leaf in no layer).
+
+        **Arguments:**
+
+        - `candidates`: the candidate groups, in model order.
+        - `model`: the model the curvature is computed for (for filters).
+        - `caller`: the public function called, for error messages.
+
+        **Returns:**
+
+        A tuple of `Group`s covering each candidate's parameters exactly once.
+        """
+
+    @abc.abstractmethod
+    def needs(self, group: Group) -> Needs:
+        """The statistics the block over `group` is built from."""
+
+    @abc.abstractmethod
+    def block(self, group: Group, statistics: Statistics) -> AbstractBlock:
+        """The block over `group`, from the `statistics` that `needs` asked for."""

@@ -1,0 +1,176 @@
+"""How the value `loss_fn` returns depends on its registered losses, structurally.
+
+Every program variable gets a `Label`: the parameters it depends on other than
+through a registered loss's value, and whether it depends on those values not at
+all, affinely or otherwise. The returned value must be affine in the loss values
+(constant factors, weighted sums, weights from the batch) and depend on parameters
+only through them; the coefficient of each loss is then a derivative, computed at
+run time (`ProcessedTrace.coefficients`). Everything here runs at trace time.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+
+from ... import _compat
+from ..._stop_hessian import hessian_stopped_p
+from ...losses import loss_value_tag_p
+from ..program import Const, Program
+
+
+NONE, AFFINE, OTHER = 0, 1, 2
+
+# Affine in all operands jointly.
+_LINEAR = frozenset(
+    {
+        "add",
+        "add_any",
+        "sub",
+        "neg",
+        "reduce_sum",
+        "convert_element_type",
+        "reshape",
+        "broadcast_in_dim",
+        "squeeze",
+        "expand_dims",
+        "transpose",
+        "copy",
+        "copy_p",
+        "slice",
+        "concatenate",
+        "pad",
+        "cumsum",
+        "reduce_precision",
+        "psum",
+    }
+)
+# Linear in each operand when the others are fixed.
+_BILINEAR = frozenset({"mul", "dot_general"})
+# Linear in the listed operands; the others (divisors, indices, predicates) must not
+# depend on the loss values.
+_LINEAR_IN = {
+    "div": (0,),
+    "dynamic_slice": (0,),
+    "gather": (0,),
+    "dynamic_update_slice": (0, 1),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Label:
+    params: frozenset[int] = frozenset()
+    values: int = NONE
+
+
+_CONST = Label()
+
+
+def _values(eqn, labels: Sequence[Label]) -> int:
+    vs = [lab.values for lab in labels]
+    if max(vs, default=NONE) == NONE:
+        return NONE
+    if OTHER in vs:
+        return OTHER
+    name = eqn.primitive.name
+    moving = [i for i, v in enumerate(vs) if v != NONE]
+    if name in _LINEAR:
+        return AFFINE
+    if name in _BILINEAR:
+        return AFFINE if len(moving) == 1 else OTHER
+    if name == "select_n":
+        return AFFINE if 0 not in moving else OTHER
+    if name in _LINEAR_IN:
+        return AFFINE if set(moving) <= set(_LINEAR_IN[name]) else OTHER
+    return OTHER
+
+
+def _eqn_labels(eqn, labels: list[Label]) -> list[Label]:
+    prim = eqn.primitive
+    if prim is loss_value_tag_p:
+        return [Label(values=AFFINE)]
+    if prim.name == "stop_gradient":
+        return [_CONST] * len(eqn.outvars)
+    if prim is hessian_stopped_p:
+        # `stop_hessian` drops every second derivative through its function: what
+        # comes out adds no curvature if it enters the returned value affinely, so
+        # it is tracked like a loss value.
+        moving = labels[0].params or labels[0].values != NONE
+        return [Label(values=AFFINE if moving else NONE)]
+    body = _compat.call_body(eqn)
+    if body is not None and len(body[0].invars) == len(labels):
+        outs = propagate(body[0], labels)
+    else:
+        params = frozenset().union(*(lab.params for lab in labels))
+        outs = [Label(params, _values(eqn, labels))] * len(eqn.outvars)
+    # Integer and boolean results carry no derivative.
+    return [
+        lab if jnp.issubdtype(v.aval.dtype, jnp.inexact) else _CONST
+        for lab, v in zip(outs, eqn.outvars)
+    ]
+
+
+def propagate(jaxpr, in_labels: Sequence[Label]) -> list[Label]:
+    """The labels of a jaxpr's outputs given those of its inputs."""
+    env = {id(v): lab for v, lab in zip(jaxpr.invars, in_labels)}
+
+    def read(v) -> Label:
+        return _CONST if _compat.is_literal(v) else env.get(id(v), _CONST)
+
+    for eqn in jaxpr.eqns:
+        for v, lab in zip(eqn.outvars, _eqn_labels(eqn, [read(v) for v in eqn.invars])):
+            env[id(v)] = lab
+    return [read(v) for v in jaxpr.outvars]
+
+
+def output_label(program: Program, num_params: int, output: int) -> Label:
+    """The label of the program's `output`-th output."""
+    env = {
+        id(v): Label(frozenset({i})) for i, v in enumerate(program.invars[:num_params])
+    }
+
+    def read(a) -> Label:
+        return _CONST if isinstance(a, Const) else env.get(id(a), _CONST)
+
+    for node in program.nodes:
+        labels = [read(a) for a in node.operands]
+        for v, lab in zip(node.outs, _eqn_labels(node.eqn, labels)):
+            if v is not None:
+                env[id(v)] = lab
+    return read(program.outvars[output])
+
+
+def check_objective(
+    program: Program,
+    num_params: int,
+    paths: Sequence[str],
+    output: int,
+    *,
+    outside_terms: bool,
+    caller: str,
+) -> None:
+    """Raises `ValueError` when the returned value is not affine in the registered
+    losses' values, or (unless `outside_terms`) depends on parameters other than
+    through them."""
+    label = output_label(program, num_params, output)
+    if label.values == OTHER:
+        raise ValueError(
+            f"`{caller}`: the value `loss_fn` returns depends nonlinearly on its "
+            "registered losses or `eqfisher.stop_hessian` terms (e.g. log(loss), "
+            "loss**2, or a loss times another): "
+            "its curvature is not a weighted sum of theirs. Return a constant- or "
+            "batch-weighted sum of registered losses (eqfisher.softmax_cross_entropy"
+            ", ...); apply other transformations outside `loss_fn`."
+        )
+    if label.params and not outside_terms:
+        names = ", ".join(
+            paths[i].lstrip(".") or "(root)" for i in sorted(label.params)
+        )
+        raise ValueError(
+            f"`{caller}`: the value `loss_fn` returns depends on parameters other "
+            f"than through its registered losses (a penalty or regulariser on "
+            f"{names}); eqfisher's curvature covers the registered losses only. "
+            "Compute that term outside `loss_fn` (for ½λ‖θ‖² add λ to the damping: "
+            "`curv.solve(g, damping + λ)`), or wrap it in `eqfisher.stop_hessian` to "
+            "keep its gradient and drop its curvature."
+        )

@@ -1,0 +1,336 @@
+"""Capturing a loss function: `split` a model and batch into flat leaves, `trace`
+`loss_fn` on them into a `ProcessedTrace` (program, loss tags, layer records), and
+`Traced`, a loss function with a cache of its traces."""
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, PyTree
+
+from .. import _compat
+from .._config import current_config
+from ..losses import AbstractLossFamily, loss_tag_p, loss_value_tag_p
+from .analyses import check_objective
+from .layers import Detection, LayerRecord, detect, sources, unit_paths
+from .program import Evaluation, Program, PVar, VarMap, evaluate, flatten
+from .results import LayerReport, RegisteredLoss
+
+
+_REGISTRATION = (
+    "eqfisher.softmax_cross_entropy, eqfisher.sigmoid_cross_entropy, "
+    "eqfisher.squared_error or eqfisher.register_loss"
+)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ProcessedTrace:
+    """A traced loss function: program, loss tags and layers. Immutable.
+
+    Parameters are numbered: the leaves `0 .. num_params - 1`, then the scan units
+    (one step's slice of a stacked leaf, see `program.Unit`). `units[i]` is the
+    `(leaf, index)` of parameter `i` (`index == ()` for a whole leaf), `paths[i]`
+    its path; `LayerRecord.param_indices` use these numbers.
+    """
+
+    program: Program
+    num_params: int
+    param_paths: tuple[str, ...]
+    layers: tuple[LayerRecord, ...]
+    unmatched: tuple[tuple[str, str], ...]
+    families: tuple[AbstractLossFamily, ...]
+    units: tuple[tuple[int, tuple[int, ...]], ...]
+    paths: tuple[str, ...]
+    # The variable holding each registered loss's value (None if unused), and the
+    # program output that is the objective.
+    value_vars: tuple[PVar | None, ...] = ()
+    objective: int = 0
+    out_tree: Any = None
+    caller: str = "eqfisher"
+
+    @property
+    def num_tags(self) -> int:
+        return len(self.families)
+
+    def parts(self, leaves: Sequence[int]) -> list[int]:
+        """The parameters that partition the given leaves: each leaf itself, or the
+        finest units of a stacked leaf, in order."""
+        split = self.program.stacked()
+        srcvars = sources(self.program, self.num_params)
+        chosen = set(leaves)
+        return [
+            i
+            for i, (leaf, _) in enumerate(self.units)
+            if leaf in chosen and id(srcvars[i]) not in split
+        ]
+
+    def take(self, leaves: Sequence[Any], i: int) -> Any:
+        """Parameter `i` of a list of leaves (or of leaf-shaped tangents)."""
+        leaf, index = self.units[i]
+        return leaves[leaf][index] if index else leaves[leaf]
+
+    def unit_shape(self, leaves: Sequence[Any], i: int) -> tuple[tuple[int, ...], Any]:
+        """`(shape, dtype)` of parameter `i` of a list of leaves, without taking
+        it (no slice in the traced program)."""
+        leaf, index = self.units[i]
+        x = leaves[leaf]
+        return tuple(x.shape[len(index) :]), x.dtype
+
+    def run(
+        self,
+        inputs,
+        perturbations: VarMap | None = None,
+        *,
+        full: bool = False,
+        reads: Sequence[Any] = (),
+        read_means: Mapping[int, tuple[int, ...]] | None = None,
+    ) -> Evaluation:
+        """Runs the program; `reads` are the scan-body variables (`StepVar`s) the
+        caller reads from the result, `read_means` what a scan averages them over
+        (see `evaluate`)."""
+        return evaluate(
+            self.program,
+            inputs,
+            perturbations,
+            stop_after_tags=None if full else self.num_tags,
+            reads=reads,
+            read_means=read_means,
+        )
+
+    def coefficients(self, inputs: Sequence[Any]) -> tuple[Array, ...]:
+        """The derivative of the objective with respect to each registered loss's
+        value (the objective is affine in them: `check_objective`)."""
+        inputs = jax.lax.stop_gradient(list(inputs))
+        used = [v for v in self.value_vars if v is not None]
+
+        def objective(perturb):
+            return self.run(inputs, perturb, full=True).outputs[self.objective]
+
+        out, vjp = jax.vjp(objective, VarMap.zeros(used))
+        (ct,) = vjp(jnp.ones_like(out))
+        by_var = ct.as_dict()
+        coefs = []
+        for v in self.value_vars:
+            c = by_var[id(v)] if v is not None else jnp.zeros((), out.dtype)
+            c = eqx.error_if(
+                c,
+                c < 0,
+                f"`{self.caller}`: a registered loss enters the value `loss_fn` "
+                "returns with a negative coefficient: its GGN or Fisher would be "
+                "negative semidefinite, and eqfisher's curvature is positive "
+                "semidefinite. Return losses with nonnegative weights (maximising a "
+                "likelihood is minimising a registered negative log-likelihood).",
+            )
+            coefs.append(c)
+        return tuple(coefs)
+
+    def losses(
+        self, ev: Evaluation, coefficients: Sequence[Array]
+    ) -> tuple[RegisteredLoss, ...]:
+        return tuple(
+            RegisteredLoss(f, *operands, c)
+            for f, operands, c in zip(self.families, ev.tags, coefficients)
+        )
+
+    def report(self) -> LayerReport:
+        uses: dict[tuple[int, ...], list[LayerRecord]] = {}
+        for r in self.layers:
+            uses.setdefault(r.param_indices, []).append(r)
+        infos = tuple(
+            dataclasses.replace(rs[0].info, uses=len(rs)) if len(rs) > 1 else rs[0].info
+            for rs in uses.values()
+        )
+        return LayerReport(
+            layers=infos,
+            unmatched=tuple(p for p, _ in self.unmatched),
+            reasons=tuple(r for _, r in self.unmatched),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A model and batch split into flat array leaves and what rebuilds them."""
+
+    params: list[Any]
+    others: list[Any]
+    batch: list[Any]
+    params_def: Any
+    rebuild: Callable[[list, list, list], tuple[Any, Any]]
+    key: Any
+
+    @property
+    def inputs(self) -> list[Any]:
+        return self.params + self.others + self.batch
+
+
+def split(model: PyTree, batch: PyTree) -> Split:
+    params, rest = eqx.partition(model, eqx.is_inexact_array)
+    others, static = eqx.partition(rest, eqx.is_array)
+    b_dyn, b_static = eqx.partition(batch, eqx.is_array)
+    p_leaves, p_def = jax.tree_util.tree_flatten(params)
+    o_leaves, o_def = jax.tree_util.tree_flatten(others)
+    b_leaves, b_def = jax.tree_util.tree_flatten(b_dyn)
+
+    def rebuild(p, o, b):
+        m = eqx.combine(
+            jax.tree_util.tree_unflatten(p_def, p),
+            jax.tree_util.tree_unflatten(o_def, o),
+            static,
+        )
+        return m, eqx.combine(jax.tree_util.tree_unflatten(b_def, b), b_static)
+
+    avals = tuple((x.shape, x.dtype) for x in p_leaves + o_leaves + b_leaves)
+    key = (p_def, o_def, b_def, _hashable(static), _hashable(b_static), avals)
+    return Split(p_leaves, o_leaves, b_leaves, p_def, rebuild, key)
+
+
+def _hashable(tree) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    try:
+        hash((treedef, tuple(leaves)))
+    except TypeError:
+        return object()  # never equal: no caching for this structure
+    return treedef, tuple(leaves)
+
+
+Returns = Literal["loss", "aux", "surrogate"]
+
+
+def _check_returns(out: Any, returns: Returns, caller: str) -> None:
+    """Checks what `loss_fn` returned, as `eqx.filter_value_and_grad` does."""
+    is_pair = isinstance(out, (tuple, list)) and len(out) == 2
+    if returns == "loss" and isinstance(out, (tuple, list)):
+        fix = (
+            "pass `has_aux=True`"
+            if caller.endswith("value_grad_and_curvature")
+            else "return only the loss (e.g. `lambda m, b: loss_fn(m, b)[0]`)"
+        )
+        raise TypeError(
+            f"`{caller}`: `loss_fn` returned a {type(out).__name__} of "
+            f"{len(out)} items, expected a scalar loss; for `(loss, aux)` {fix} "
+            "(`has_aux`)."
+        )
+    if returns != "loss" and not is_pair:
+        flag = "has_aux=True" if returns == "aux" else "surrogate=True"
+        raise TypeError(
+            f"`{caller}(..., {flag})`: `loss_fn` must return a pair "
+            f"`(loss, {'aux' if returns == 'aux' else 'surrogate'})`, got "
+            f"{type(out).__name__}. Drop `{flag.split('=')[0]}` for a loss_fn "
+            "returning only the loss."
+        )
+    scalars = {"loss": [out], "aux": [out[0]] if is_pair else [], "surrogate": out}
+    for value in scalars[returns]:
+        if not (eqx.is_array(value) and jnp.issubdtype(value.dtype, jnp.floating)):
+            raise TypeError(
+                f"`{caller}`: the loss `loss_fn` returns must be a floating-point "
+                f"scalar array, got {value!r}."
+            )
+        if value.shape != ():
+            raise ValueError(
+                f"`{caller}`: the loss `loss_fn` returns must be a scalar, got shape "
+                f"{value.shape}; reduce it (e.g. jnp.mean) inside `loss_fn`."
+            )
+
+
+def trace(
+    loss_fn: Callable,
+    s: Split,
+    *,
+    caller: str = "eqfisher",
+    returns: Returns = "loss",
+    layers: bool = True,
+) -> ProcessedTrace:
+    """Traces `loss_fn` on the split model and batch.
+
+    `returns` says what `loss_fn` returns: the scalar loss, `(loss, aux)` or
+    `(loss, surrogate)`. The loss must be affine in the registered losses' values
+    and (except with a surrogate) depend on parameters only through them. Without
+    `layers`, no layers are looked for (a trace that is only run, such as the
+    per-example pass's: a scanned model's detection costs a record per step).
+    """
+    n_p, n_o = len(s.params), len(s.others)
+    out_trees = []
+
+    def flat_fn(*leaves):
+        model, batch = s.rebuild(
+            list(leaves[:n_p]), list(leaves[n_p : n_p + n_o]), list(leaves[n_p + n_o :])
+        )
+        out = loss_fn(model, batch)
+        _check_returns(out, returns, caller)
+        out_trees.append(jax.tree_util.tree_structure(out))
+        return out
+
+    jaxpr, consts = _compat.make_jaxpr(flat_fn, *s.inputs)
+    program = flatten(jaxpr, consts, n_p)
+    tags = [n for n in program.nodes if n.eqn.primitive is loss_tag_p]
+    if not tags:
+        name = getattr(loss_fn, "__name__", repr(loss_fn))
+        raise ValueError(
+            f"`{caller}`: `loss_fn` ({name}) registers no loss. Compute the loss "
+            f"with {_REGISTRATION}; each returns the scalar loss and marks the model "
+            "outputs for curvature."
+        )
+    values = [n.outs[0] for n in program.nodes if n.eqn.primitive is loss_value_tag_p]
+    if len(values) != len(tags):
+        raise ValueError(
+            f"`{caller}`: `loss_fn` has {len(tags)} loss tags but {len(values)} "
+            f"registered loss values; register losses only with {_REGISTRATION}."
+        )
+    params = jax.tree_util.tree_unflatten(s.params_def, s.params)
+    paths = tuple(
+        jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    )
+    check_objective(
+        program, n_p, paths, 0, outside_terms=returns == "surrogate", caller=caller
+    )
+    found = detect(program, paths) if layers else Detection((), ())
+    return ProcessedTrace(
+        program=program,
+        num_params=n_p,
+        param_paths=paths,
+        layers=found.layers,
+        unmatched=found.unmatched,
+        families=tuple(n.params["family"] for n in tags),
+        units=tuple((i, ()) for i in range(n_p))
+        + tuple((u.leaf, u.index) for u in program.units),
+        paths=tuple(unit_paths(program, paths)),
+        value_vars=tuple(values),
+        objective=0,
+        out_tree=out_trees[-1],
+        caller=caller,
+    )
+
+
+class Traced:
+    """A loss function with a cache of its traces, one per argument structure."""
+
+    def __init__(self, loss_fn: Callable, caller: str, returns: Returns = "loss"):
+        if not callable(loss_fn):
+            raise TypeError(f"`{caller}`: `loss_fn` must be callable, got {loss_fn!r}.")
+        self.loss_fn = loss_fn
+        self.cache = {}
+        self.caller = caller
+        self.returns = returns
+
+    def trace(self, s: Split, *, layers: bool = True) -> ProcessedTrace:
+        key = (s.key, current_config(), layers)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        processed = trace(
+            self.loss_fn, s, caller=self.caller, returns=self.returns, layers=layers
+        )
+        consts = [
+            n for n in processed.program.nodes for a in n.args if _is_tracer_const(a)
+        ]
+        if not consts:
+            self.cache[key] = processed
+        return processed
+
+
+def _is_tracer_const(atom) -> bool:
+    return isinstance(getattr(atom, "value", None), jax.core.Tracer)

@@ -1,0 +1,421 @@
+"""Layer kinds and their detection on a flattened program.
+
+Detection works on equations, not on module types, so `eqx.nn.Linear` under
+`jax.vmap`, a raw `x @ w + b`, an `einsum` and an attention projection are all the
+same thing to it: a `dot_general` with a parameter on one side, perhaps followed by a
+bias added along the output features. A layer declared with
+`eqfisher.register_dense` is found by its tag, whatever computes it.
+
+`detect` runs the steps of detection, each a function from values to values, one
+module each (see the package's `__init__`): `Graph.of` (`graph`), `candidates`
+(`candidates`), `judge` (`verdict`), then, here, `_records` and `_unmatched`: the
+kept layers in model order, and a reason for every parameter in none.
+"""
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import equinox as eqx
+
+from ..._config import current_config
+from ..analyses import axes
+from ..program import SYMBOLIC, Node, Program, PVar, ScanNode, scan_nodes, symbolic
+from .candidates import Candidate, LayerKind, candidates
+from .graph import Graph, sources, unit_paths
+from .verdict import Verdict, judge
+
+
+class LayerInfo(eqx.Module):
+    """A layer found by the tracer.
+
+    **Fields:**
+
+    - `name`: the model path of the layer, e.g. `layers[0]`.
+    - `kind`: one of `"dense"`, `"conv"`, `"scale_and_shift"`, `"embedding"`.
+    - `param_paths`: the `jax.tree_util.keystr` paths of its parameter leaves, in
+      model order (weight before bias).
+    - `uses`: how often the layer is applied (more than 1 for tied weights; K-FAC
+      then pools the applications' statistics into one Kronecker block).
+
+    !!! Example
+
+        ```python
+        first, second = ef.find_layers(loss_fn, model, batch).layers
+        assert first.name == "layers[0]" and first.kind == "dense"
+        assert first.param_paths == (".layers[0].weight", ".layers[0].bias")
+
+        linear = eqx.nn.Linear(4, 4, key=key)
+        tied = lambda m, b: ef.softmax_cross_entropy(
+            jax.vmap(lambda v: m(jnp.tanh(m(v))))(b[0]), b[1]
+        )
+        (info,) = ef.find_layers(tied, linear, batch).layers
+        assert info.uses == 2  # one layer, applied twice
+        ```
+    """
+
+    name: str = eqx.field(static=True)
+    kind: LayerKind = eqx.field(static=True)
+    param_paths: tuple[str, ...] = eqx.field(static=True)
+    uses: int = eqx.field(static=True, default=1)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayerRecord:
+    """Everything the curvature code needs to know about one detected layer.
+
+    `inputs`/`outputs` are program variables: the activation (or the indices of an
+    embedding) and the output that is perturbed to read output cotangents.
+    `in_order` orders the input axes as (locations..., contracted...), `out_order`
+    the output axes as (locations..., features...); reshaping after these transposes
+    gives the `(locations, d_in)` and `(locations, d_out)` matrices K-FAC uses.
+    For a conv, `in_order` is `()` (its inputs need patches, see `core.params`); for
+    an embedding, `inputs` are the gather's integer indices `(*locations, k)` and
+    `in_order` is `(c,)`: the row ids are `inputs[..., c]`.
+    `weight_perm` maps the weight leaf to its `(d_out, d_in)` matrix view (None for
+    a scale-and-shift layer). `core` is the layer's main equation (for a declared
+    layer, its tag).
+    """
+
+    name: str
+    kind: LayerKind
+    param_paths: tuple[str, ...]
+    param_indices: tuple[int, ...]
+    inputs: Any
+    outputs: PVar
+    in_order: tuple[int, ...]
+    out_order: tuple[int, ...]
+    d_in: int
+    d_out: int
+    weight_perm: tuple[int, ...] | None
+    core: Node
+
+    @property
+    def info(self) -> LayerInfo:
+        """What `find_layers` reports of it. Built on demand: a scanned layer has a
+        record per step, and an `eqx.Module` per record costs tracing time."""
+        return LayerInfo(self.name, self.kind, self.param_paths)
+
+
+@dataclasses.dataclass(frozen=True)
+class Detection:
+    layers: tuple[LayerRecord, ...]
+    unmatched: tuple[tuple[str, str], ...]  # (path, reason)
+
+
+# ---------------------------------------------------------------------------
+# Records and reasons (after `verdict`).
+
+
+class _Numbering(NamedTuple):
+    """Parameter numbers as the records use them: paths and model order."""
+
+    num_leaves: int
+    leaf_paths: tuple[str, ...]
+    paths: tuple[str, ...]
+    orders: tuple[tuple[int, tuple[int, ...]], ...]  # (leaf, index) of each number
+
+
+def _numbering(program: Program, leaf_paths: Sequence[str]) -> _Numbering:
+    orders = [(i, ()) for i in range(len(leaf_paths))]
+    orders += [(u.leaf, u.index) for u in program.units]
+    return _Numbering(
+        len(leaf_paths),
+        tuple(leaf_paths),
+        tuple(unit_paths(program, leaf_paths)),
+        tuple(orders),
+    )
+
+
+def _record(
+    cand: Candidate,
+    numbering: _Numbering,
+    indices: tuple[int, ...] | None = None,
+    inputs: Any = None,
+    outputs: PVar | None = None,
+    like: LayerRecord | None = None,
+) -> LayerRecord:
+    """The record of a kept candidate; a scan body's candidate at one step gives
+    that step's `indices`, `inputs` and `outputs`, and copies the rest from `like`
+    (its record at another step: a long scan has a record per step)."""
+    indices = cand.indices if indices is None else indices
+    paths = tuple(numbering.paths[i] for i in indices)
+    name = layer_name(paths)
+    steps = {
+        numbering.orders[i][1] if i >= numbering.num_leaves else None for i in indices
+    }
+    if len(steps) == 1 and (step := steps.pop()) is not None:
+        # One scan step's slices: the step index comes last, `blocks.attn.q[2]`.
+        base = [numbering.leaf_paths[numbering.orders[i][0]] for i in indices]
+        name = layer_name(base) + "".join(f"[{k}]" for k in step)
+    if like is not None:
+        return dataclasses.replace(
+            like,
+            name=name,
+            param_paths=paths,
+            param_indices=indices,
+            inputs=inputs,
+            outputs=outputs,
+        )
+    out_shape = cand.outputs.aval.shape
+    d_out = math.prod(out_shape[i] for i in axes.feature_axes(cand.out_labels))
+    return LayerRecord(
+        name=name,
+        kind=cand.kind,
+        param_paths=paths,
+        param_indices=indices,
+        inputs=cand.activation if inputs is None else inputs,
+        outputs=cand.outputs if outputs is None else outputs,
+        in_order=cand.in_order,
+        out_order=axes.matrix_order(cand.out_labels),
+        d_in=cand.d_in,
+        d_out=d_out,
+        weight_perm=cand.weight_perm,
+        core=cand.core,
+    )
+
+
+def _kept(cands, verdict: Verdict, graph: Graph) -> list[Candidate]:
+    """The candidates that stay and reach a loss."""
+    return [
+        c
+        for c in cands
+        if id(c) not in verdict.dropped and id(c.outputs) in graph.reach
+    ]
+
+
+def _records(cands, verdict: Verdict, graph: Graph) -> tuple[LayerRecord, ...]:
+    """The kept layers that reach a loss, in model order, with unique names."""
+    numbering = _numbering(graph.program, graph.leaf_paths)
+    records = [_record(c, numbering) for c in _kept(cands, verdict, graph)]
+    return _in_order(records, numbering)
+
+
+def _in_order(records, numbering: _Numbering) -> tuple[LayerRecord, ...]:
+    records = sorted(
+        records, key=lambda r: min(numbering.orders[i] for i in r.param_indices)
+    )
+    return _unique_names(records)
+
+
+def _unique_names(records: Sequence[LayerRecord]) -> tuple[LayerRecord, ...]:
+    seen: dict[str, int] = {}
+    owners: dict[str, tuple[int, ...]] = {}
+    out = []
+    for r in records:
+        name = r.name
+        if owners.get(name) == r.param_indices:  # another use of a tied layer
+            out.append(r)
+            continue
+        owners.setdefault(name, r.param_indices)
+        seen[name] = seen.get(name, 0) + 1
+        if seen[name] > 1:
+            name = f"{name}#{seen[name]}"
+            r = dataclasses.replace(r, name=name)
+        out.append(r)
+    return tuple(out)
+
+
+_CONTROL_FLOW = frozenset({"scan", "cond", "while"})
+
+
+def _unmatched(
+    records: Sequence[LayerRecord], verdict: Verdict, graph: Graph
+) -> tuple[tuple[str, str], ...]:
+    used = {i for r in records for i in r.param_indices}
+    split = graph.program.stacked()
+    out = []
+    for i in sorted(range(len(graph.paths)), key=graph.model_order):
+        if i in used or id(graph.srcvars[i]) in split:  # stacked: see its units
+            continue
+        out.append((graph.paths[i], _reason(i, verdict, graph)))
+    return tuple(out)
+
+
+def _reason(index: int, verdict: Verdict, graph: Graph) -> str:
+    if index in verdict.reasons:
+        return verdict.reasons[index]
+    if id(graph.srcvars[index]) not in graph.reach:
+        return "does not affect any registered loss"
+    control = _control_flow_user(graph, index)
+    if control == "scan":
+        return (
+            "used inside `scan`; scans longer than "
+            f"{current_config().max_unroll} steps are not unrolled"
+        )
+    if control is not None:
+        return (
+            f"used inside `{control}`; layers inside control flow are not detected yet"
+        )
+    return "no layer pattern"
+
+
+def _control_flow_user(graph: Graph, index: int) -> str | None:
+    """The control-flow primitive a parameter (or a view of it) feeds, if any."""
+    srcs = [graph.srcvars[index]] + [
+        n.outs[0]
+        for n in graph.program.nodes
+        if n.outs
+        and id(n.outs[0]) in graph.views
+        and graph.views[id(n.outs[0])].index == index
+    ]
+    for src in srcs:
+        for user in graph.consumers.get(id(src), []):
+            if user.name in _CONTROL_FLOW:
+                return user.name
+    return None
+
+
+def detect(program: Program, leaf_paths: Sequence[str]) -> Detection:
+    """Finds the layers of `program`, whose first invars are the parameter leaves.
+
+    Parameters are numbered as in `sources`: leaves, then scan units. The layers of
+    a kept scan (`program.ScanNode`) are found once, on its body with symbolic
+    units (`program.symbolic`), and given one record per step.
+    """
+    seen = symbolic(program)
+    graph = Graph.of(seen, leaf_paths)
+    cands = candidates(graph)
+    verdict = judge(cands, graph)
+    if seen is program:
+        records = _records(cands, verdict, graph)
+        return Detection(records, _unmatched(records, verdict, graph))
+    return _every_step(program, graph, cands, verdict)
+
+
+def _every_step(program: Program, graph: Graph, cands, verdict: Verdict) -> Detection:
+    """Records and reasons of `program` from the detection on its symbolic
+    program (`graph`): a candidate in a scan body gives one record per step, a
+    symbolic unit's reason holds for each step's unit."""
+    numbering = _numbering(program, graph.leaf_paths)
+    numbers = _step_numbers(program, graph)
+    body_of = {id(n): scan for scan in scan_nodes(program) for n in scan.body}
+    records = []
+    for cand in _kept(cands, verdict, graph):
+        scan = body_of.get(id(cand.core))
+        if scan is None:
+            indices = tuple(numbers.moved[i] for i in cand.indices)
+            records.append(_record(cand, numbering, indices))
+        else:
+            records += _scan_records(cand, scan, numbering, numbers)
+    records = _in_order(records, numbering)
+    unmatched = _step_unmatched(program, graph, verdict, records, numbering, numbers)
+    return Detection(records, unmatched)
+
+
+class _StepNumbers(NamedTuple):
+    """How the symbolic program's parameter numbers map to the real program's:
+    `per_step[k][t]` for a symbolic unit `k` at step `t`, `moved[k]` otherwise."""
+
+    per_step: dict[int, dict[int, int]]
+    moved: dict[int, int]
+
+    def at(self, k: int, step: int) -> int:
+        return self.per_step[k][step] if k in self.per_step else self.moved[k]
+
+
+def _step_numbers(program: Program, graph: Graph) -> _StepNumbers:
+    number = {id(u): graph.num_leaves + j for j, u in enumerate(program.units)}
+    per_step: dict[int, dict[int, int]] = {}
+    moved: dict[int, int] = {i: i for i in range(graph.num_leaves)}
+    scans = scan_nodes(program)
+    for j, u in enumerate(graph.program.units):
+        k = graph.num_leaves + j
+        scan = next((sc for sc in scans if any(s is u for s in sc.symbolic)), None)
+        if scan is None:
+            moved[k] = number[id(u)]
+            continue
+        per_step[k] = {
+            r.index[0]: number[id(r)] for r in scan.units if r.leaf == u.leaf
+        }
+    return _StepNumbers(per_step, moved)
+
+
+def _scan_records(
+    cand: Candidate, scan: ScanNode, numbering: _Numbering, numbers: _StepNumbers
+) -> list[LayerRecord]:
+    """A scan body's candidate's record at each step; the steps after the first
+    copy what does not change (`_record(..., like=...)`)."""
+    inside = scan.body_vars()
+
+    def at(var, step):
+        return scan.step_var(var, step) if id(var) in inside else var
+
+    records: list[LayerRecord] = []
+    for step in scan.steps:
+        indices = tuple(numbers.at(i, step) for i in cand.indices)
+        like = records[0] if records else None
+        records.append(
+            _record(
+                cand,
+                numbering,
+                indices,
+                at(cand.activation, step),
+                at(cand.outputs, step),
+                like=like,
+            )
+        )
+    return records
+
+
+def _step_unmatched(
+    program: Program,
+    graph: Graph,
+    verdict: Verdict,
+    records: Sequence[LayerRecord],
+    numbering: _Numbering,
+    numbers: _StepNumbers,
+) -> tuple[tuple[str, str], ...]:
+    """The parameters in no record, with the reason of their symbolic number (at
+    their step)."""
+    used = {i for r in records for i in r.param_indices}
+    back = {v: k for k, v in numbers.moved.items()}
+    for k, steps in numbers.per_step.items():
+        back.update({v: k for v in steps.values()})
+    split = program.stacked()
+    srcvars = sources(program, graph.num_leaves)
+    unmatched = []
+    for i in sorted(range(len(numbering.paths)), key=lambda i: numbering.orders[i]):
+        if i in used or id(srcvars[i]) in split:
+            continue
+        k = back[i]
+        reason = _reason(k, verdict, graph)
+        if k in numbers.per_step:
+            step = numbering.orders[i][1][0]
+            reason = reason.replace(f"[{SYMBOLIC}]", f"[{step}]")
+        unmatched.append((numbering.paths[i], reason))
+    return tuple(unmatched)
+
+
+def layer_name(paths: Sequence[str]) -> str:
+    """The common prefix of a layer's parameter paths: its model path."""
+    return _layer_name(tuple(paths))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_name(paths: tuple[str, ...]) -> str:
+    parts = [_split(p) for p in paths]
+    common = []
+    for items in zip(*parts, strict=False):
+        if len(set(items)) != 1:
+            break
+        common.append(items[0])
+    if len(paths) == 1 and len(parts[0]) > 1:
+        common = parts[0][:-1]
+    if not common:
+        return "+".join(p.lstrip(".") for p in paths)
+    return "".join(common).lstrip(".")
+
+
+def _split(path: str) -> list[str]:
+    out, cur = [], ""
+    for ch in path:
+        if ch in ".[" and cur:
+            out.append(cur)
+            cur = ""
+        cur += ch
+    if cur:
+        out.append(cur)
+    return out

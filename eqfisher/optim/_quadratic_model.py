@@ -1,0 +1,181 @@
+"""Adaptive K-FAC (Martens & Grosse 2015, §6–7): learning rate and momentum from the
+exact quadratic model, and Levenberg–Marquardt damping from its reduction ratio.
+
+Meant for large batches: the quadratic model is that of one batch, so with small
+batches its noise makes the chosen step sizes noisy too.
+"""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Float, Int, PyTree
+
+from .._products import ggn_operator
+
+
+class QuadraticModel:
+    """The exact Gauss-Newton quadratic model of `loss_fn` on one batch.
+
+    Build it inside the training step with `quadratic_model(loss_fn, model, batch)`
+    and pass it to the adaptive K-FAC update as `quadratic=`. Products with the GGN
+    go through the public `eqfisher.ggn_operator` (one JVP and one VJP each).
+
+    !!! Example
+
+        `gram` against the dense GGN:
+
+        ```python
+        from jax.flatten_util import ravel_pytree
+
+        quadratic = ef.optim.quadratic_model(loss_fn, model, batch)
+        gram = quadratic.gram([grads, params])  # (2, 2)
+        G = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.Dense()
+        ).as_matrix()
+        V = jnp.stack([ravel_pytree(grads)[0], ravel_pytree(params)[0]], axis=1)
+        assert jnp.allclose(gram, V.T @ G @ V, rtol=1e-4)
+        ```
+    """
+
+    def __init__(self, loss_fn: Callable, model: PyTree, batch: PyTree):
+        self._ggn = ggn_operator(loss_fn, model, batch)
+        self.params, self._static = eqx.partition(model, eqx.is_inexact_array)
+        self._loss_fn, self._batch = loss_fn, batch
+
+    def gram(self, vectors: list[PyTree]) -> Float[Array, "k k"]:
+        r"""$v_i^\top G v_j$ for the exact GGN $G$, from one GGN product per vector."""
+        return _vdots(vectors, [self._ggn.mv(v) for v in vectors])
+
+    def loss(self, params: PyTree) -> Float[Array, ""]:
+        """`loss_fn` on the batch, at other parameters."""
+        return self._loss_fn(eqx.combine(params, self._static), self._batch)
+
+
+def quadratic_model(loss_fn: Callable, model: PyTree, batch: PyTree) -> QuadraticModel:
+    """The exact quadratic model of `loss_fn(model, batch)` for adaptive K-FAC.
+
+    Returns a `QuadraticModel`; see `kfac_adaptive` for its use in a training step.
+
+    !!! Example
+
+        ```python
+        quadratic = ef.optim.quadratic_model(loss_fn, model, batch)
+        assert jnp.allclose(quadratic.loss(quadratic.params), loss_fn(model, batch))
+        halved = jax.tree.map(lambda p: p / 2, quadratic.params)
+        print(quadratic.loss(halved))  # the loss with every parameter halved
+        ```
+    """
+    return QuadraticModel(loss_fn, model, batch)
+
+
+class AdaptiveState(NamedTuple):
+    """State added by `adaptive_steps`: the damping, the last update, counters."""
+
+    damping: Float[Array, ""]
+    previous: PyTree
+    count: Int[Array, ""]
+    rho: Float[Array, ""]
+
+
+def adaptive_steps(
+    *,
+    initial_damping: float,
+    adapt_every: int = 5,
+    min_damping: float = 1e-8,
+    max_damping: float = 1e3,
+) -> optax.GradientTransformationExtraArgs:
+    """Turns a preconditioned direction Δ into the update αΔ + μδ₋₁ that minimises
+    the exact quadratic model, and adapts the damping by its reduction ratio.
+
+    Expects the incoming updates to be −(C + λI)⁻¹g for the damping λ it keeps in its
+    state (`kfac(..., adaptive=True)` wires this up) and the extra arguments
+    `quadratic=` (a `QuadraticModel`) and `grads=`.
+    """
+    omega = (19.0 / 20.0) ** adapt_every
+
+    def init(params):
+        return _initial_state(params, initial_damping)
+
+    def update(updates, state, params=None, *, quadratic=None, grads=None, **extra):
+        del extra
+        if not isinstance(quadratic, QuadraticModel) or grads is None:
+            raise ValueError(
+                "adaptive K-FAC needs `quadratic=eqfisher.optim.quadratic_model(loss_fn,"
+                " model, batch)` in `update(...)`."
+            )
+        delta, prev = updates, state.previous
+        gram, b = _damped_system(quadratic, grads, delta, prev, state.damping)
+        alpha, mu = _coefficients(gram, b, first=state.count == 0)
+        step = jax.tree.map(lambda d, p: alpha * d + mu * p, delta, prev)
+        # M(δ) − M(0) at the minimiser: −½ bᵀA⁻¹b
+        reduction = 0.5 * jnp.dot(b, jnp.stack([alpha, mu]))
+
+        def adapt(lam):
+            rho = _reduction_ratio(quadratic, params, step, reduction)
+            lam = jnp.where(rho > 0.75, lam * omega, lam)
+            lam = jnp.where(rho < 0.25, lam / omega, lam)
+            lam = jnp.clip(lam, min_damping, max_damping)
+            dtype = state.damping.dtype
+            return jnp.array(lam, dtype=dtype), jnp.array(rho, dtype=dtype)
+
+        lam, rho = jax.lax.cond(
+            (state.count + 1) % adapt_every == 0,
+            adapt,
+            lambda lam: (jnp.array(lam, dtype=lam.dtype), state.rho),
+            state.damping,
+        )
+        return step, AdaptiveState(lam, step, state.count + 1, rho)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _vdots(us: list[PyTree], vs: list[PyTree]) -> Array:
+    """The matrix of dot products uᵢᵀvⱼ."""
+    return jnp.stack(
+        [jnp.stack([optax.tree_utils.tree_vdot(u, v) for v in vs]) for u in us]
+    )
+
+
+def _initial_state(params: PyTree, initial_damping: float) -> AdaptiveState:
+    """No previous update; the damping in the statistics' dtype (at least
+    float32)."""
+    leaves = jax.tree.leaves(params)
+    dtype = leaves[0].dtype if leaves else jnp.dtype(jnp.float32)
+    dtype = jnp.float32 if jnp.finfo(dtype).bits < 32 else dtype
+    return AdaptiveState(
+        jnp.asarray(initial_damping, dtype),
+        jax.tree.map(jnp.zeros_like, params),
+        jnp.zeros((), jnp.int32),
+        jnp.asarray(jnp.nan, dtype),
+    )
+
+
+def _damped_system(
+    quadratic: QuadraticModel, grads: PyTree, delta: PyTree, prev: PyTree, lam
+) -> tuple[Array, Array]:
+    """The quadratic model over `α Δ + μ δ₋₁` as `(A, b)`: A = [Δ, δ₋₁]ᵀ(G + λI)
+    [Δ, δ₋₁] and b = [Δ, δ₋₁]ᵀg."""
+    gram = quadratic.gram([delta, prev])
+    gram = gram + lam * _vdots([delta, prev], [delta, prev]).astype(gram.dtype)
+    b = _vdots([grads], [delta, prev])[0].astype(gram.dtype)
+    return gram, b
+
+
+def _coefficients(gram: Array, b: Array, first) -> tuple[Array, Array]:
+    """`(α, μ)` minimising the quadratic model; at the first step there is no
+    previous update, so only α (μ = 0)."""
+    alpha_only = -b[0] / gram[0, 0]
+    coeffs = jnp.linalg.solve(jnp.where(first, jnp.eye(2, dtype=gram.dtype), gram), -b)
+    return jnp.where(first, alpha_only, coeffs[0]), jnp.where(first, 0.0, coeffs[1])
+
+
+def _reduction_ratio(
+    quadratic: QuadraticModel, params: PyTree, step: PyTree, reduction
+) -> Array:
+    """ρ: the loss's change by `step` over the quadratic model's."""
+    new_params = jax.tree.map(lambda p, s: p + s, params, step)
+    return (quadratic.loss(new_params) - quadratic.loss(params)) / reduction

@@ -1,0 +1,94 @@
+"""Data parallelism through jax.sharding: the batch is sharded over a Mesh of 8 CPU
+devices (set in conftest.py), the parameters replicated, and XLA does the reductions.
+Results must equal the single-device ones (relative difference <= 1e-5, float32)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import eqfisher as ef
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    assert len(jax.devices()) == 8, "conftest.py sets jax_num_cpu_devices to 8"
+    mesh = Mesh(np.array(jax.devices()), ("batch",))
+    # float32, as the module says (conftest.py turns float64 on by default).
+    model = eqx.nn.MLP(
+        8, 4, 16, 2, activation=jnp.tanh, dtype=jnp.float32, key=jax.random.key(0)
+    )
+    x = jax.random.normal(jax.random.key(1), (64, 8), jnp.float32)
+    y = jax.random.randint(jax.random.key(2), (64,), 0, 4)
+    data = NamedSharding(mesh, P("batch"))
+    sharded = (
+        eqx.filter_shard(model, NamedSharding(mesh, P())),
+        (jax.device_put(x, data), jax.device_put(y, data)),
+    )
+    return (model, (x, y)), sharded
+
+
+def _close(a, b):
+    a, b = eqx.filter(a, eqx.is_array), eqx.filter(b, eqx.is_array)
+    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        scale = float(jnp.max(jnp.abs(u))) + 1e-30
+        assert float(jnp.max(jnp.abs(u - v))) / scale <= 1e-5
+
+
+def test_inputs_are_really_sharded(setup):
+    _, (_, (x, _)) = setup
+    assert len(x.sharding.device_set) == 8
+    assert x.addressable_shards[0].data.shape == (8, 8)
+
+
+@pytest.mark.parametrize(
+    "structure", [ef.KFAC(), ef.EKFAC(), ef.Diagonal(), ef.BlockDiagonal(), ef.Dense()]
+)
+def test_curvature_matches_one_device(setup, structure):
+    (model, batch), (s_model, s_batch) = setup
+
+    @eqx.filter_jit
+    def build(m, b):
+        c = ef.curvature(loss_fn, m, b, estimator=ef.GGN(), structure=structure)
+        return c.as_matrix()
+
+    _close(build(model, batch), build(s_model, s_batch))
+
+
+def test_value_grad_and_curvature_matches_one_device(setup):
+    (model, batch), (s_model, s_batch) = setup
+    vgc = eqx.filter_jit(
+        ef.value_grad_and_curvature(
+            loss_fn, estimator=ef.FisherMC(), structure=ef.KFAC()
+        )
+    )
+    key = jax.random.key(3)
+    _close(vgc(model, batch, key=key), vgc(s_model, s_batch, key=key))
+
+
+def test_kfac_optimiser_matches_one_device(setup):
+    vgc = ef.value_grad_and_curvature(loss_fn, estimator=ef.GGN(), structure=ef.KFAC())
+    like = ef.optim.curvature_like(vgc, *setup[0])
+    opt = ef.optim.kfac(0.05, like=like, damping=1e-2, inverse_every=2)
+
+    @eqx.filter_jit
+    def step(model, state, batch):
+        _, grads, curv = vgc(model, batch)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        updates, state = opt.update(grads, state, params, curvature=curv)
+        return eqx.apply_updates(model, updates), state
+
+    finals = []
+    for model, batch in setup:
+        state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+        for _ in range(4):
+            model, state = step(model, state, batch)
+        finals.append(model)
+    _close(finals[0], finals[1])
