@@ -140,8 +140,8 @@ class Categorical(AbstractLossFamily):
 
     def sample(self, key, inputs):
         # By the inverse CDF: one uniform per example against the cumulative
-        # softmax, 5-7x faster than `jax.random.categorical`'s Gumbel noise over
-        # every class (a 512- to 50k-class vocabulary; benchmarks/RESULTS.md).
+        # softmax, faster than `jax.random.categorical`'s Gumbel noise over every
+        # class for large vocabularies (figures in benchmarks/RESULTS.md).
         # At least float32: half-precision cumulative sums hold 2-3 digits.
         wide = jnp.finfo(inputs.dtype).bits >= 32
         z = inputs if wide else inputs.astype(jnp.float32)

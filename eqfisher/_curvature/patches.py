@@ -1,9 +1,8 @@
 """Convolution patches by padding and strided slices.
 
 `jax.lax.conv_general_dilated_patches` forms the patches with a convolution by an
-identity kernel, which XLA:CPU runs far slower than the copies it amounts to (7.3 ms
-against 0.56 ms for a 3x3 conv's input of 256 8x8 images with 8 channels, one
-thread). `conv_patches` returns the same array, element for element, from one
+identity kernel, which XLA:CPU runs far slower than the copies it amounts to
+(benchmarks/conv_patches.py; figures in benchmarks/RESULTS.md). `conv_patches` returns the same array, element for element, from one
 `lax.pad` (the conv's padding and input dilation) and one strided `lax.slice` per
 kernel offset.
 """
