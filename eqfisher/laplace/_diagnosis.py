@@ -11,10 +11,7 @@ from jaxtyping import Array, Float, PyTree
 
 from ._blockwise import block_values
 from ._posterior import Laplace, Likelihood
-
-
-def _call(model, x):
-    return model(x)
+from ._predictive import linearise
 
 
 def _median(x: Array) -> float:
@@ -186,12 +183,9 @@ def predictive_diagnosis(
         assert jnp.all(diagnosis.variance <= diagnosis.prior_variance * (1 + 1e-6))
         ```
     """
-    theta = posterior.mean
-    apply = _call if apply is None else apply
 
     def one(xi):
-        out, jvp = jax.linearize(lambda t: apply(posterior.combine(t), xi), theta)
-        vjp = jax.linear_transpose(jvp, theta)
+        out, _, vjp = linearise(posterior, apply, xi)
 
         def variances(e):
             """eᵀ J Λ⁻¹ Jᵀ e and eᵀ J diag(δ)⁻¹ Jᵀ e."""

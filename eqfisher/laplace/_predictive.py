@@ -15,6 +15,18 @@ def _call(model, x):
     return model(x)
 
 
+def linearise(
+    posterior: Laplace,
+    apply: Callable[[PyTree, PyTree], Float[Array, " out"]] | None,
+    xi: PyTree,
+) -> tuple[Float[Array, " out"], Callable, Callable]:
+    """`(outputs, jvp, vjp)` of one example's outputs in the selected parameters,
+    linearised at the posterior mean (`apply=None` calls `model(example)`)."""
+    apply = _call if apply is None else apply
+    out, jvp = jax.linearize(lambda t: apply(posterior.combine(t), xi), posterior.mean)
+    return out, jvp, jax.linear_transpose(jvp, posterior.mean)
+
+
 def glm_predictive(
     posterior: Laplace,
     x: PyTree,
@@ -60,12 +72,9 @@ def glm_predictive(
         probs = ef.laplace.probit(mean, cov)  # class probabilities
         ```
     """
-    theta = posterior.mean
-    apply = _call if apply is None else apply
 
     def one(xi):
-        out, jvp = jax.linearize(lambda t: apply(posterior.combine(t), xi), theta)
-        vjp = jax.linear_transpose(jvp, theta)
+        out, jvp, vjp = linearise(posterior, apply, xi)
 
         def column(e):
             (row,) = vjp(e)
