@@ -35,7 +35,7 @@ def setup():
     return (model, (x, y)), sharded
 
 
-def _close(a, b):
+def assert_close(a, b):
     a, b = eqx.filter(a, eqx.is_array), eqx.filter(b, eqx.is_array)
     for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
         scale = float(jnp.max(jnp.abs(u))) + 1e-30
@@ -59,7 +59,7 @@ def test_curvature_matches_one_device(setup, structure):
         c = ef.curvature(loss_fn, m, b, estimator=ef.GGN(), structure=structure)
         return c.as_matrix()
 
-    _close(build(model, batch), build(s_model, s_batch))
+    assert_close(build(model, batch), build(s_model, s_batch))
 
 
 def test_value_grad_and_curvature_matches_one_device(setup):
@@ -70,7 +70,7 @@ def test_value_grad_and_curvature_matches_one_device(setup):
         )
     )
     key = jax.random.key(3)
-    _close(vgc(model, batch, key=key), vgc(s_model, s_batch, key=key))
+    assert_close(vgc(model, batch, key=key), vgc(s_model, s_batch, key=key))
 
 
 def test_kfac_optimiser_matches_one_device(setup):
@@ -91,4 +91,4 @@ def test_kfac_optimiser_matches_one_device(setup):
         for _ in range(4):
             model, state = step(model, state, batch)
         finals.append(model)
-    _close(finals[0], finals[1])
+    assert_close(finals[0], finals[1])
