@@ -173,6 +173,15 @@ class Builder(eqx.Module):
                 losses[0].inputs.shape[0],
             )
 
+        blocks = self._blocks(grouping, needs, processed, statistics)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        curv = _assemble(params, blocks, grouping, processed, selected)
+        return curv, outputs, grads, s
+
+    def _blocks(self, grouping, needs, processed, statistics) -> dict:
+        """Each group's block by name: a stacked layer's steps through one `vmap`
+        (`_run_blocks`) where the structure builds them alike, the others one by
+        one; `statistics(j)` gathers group j's statistics."""
         blocks = {}
         runs = (
             _step_runs(grouping, needs, processed) if self.structure.steps_alike else []
@@ -183,9 +192,7 @@ class Builder(eqx.Module):
         for j, g in enumerate(grouping):
             if j not in done:
                 blocks[g.name] = self._block(g, statistics(j))
-        params = eqx.filter(model, eqx.is_inexact_array)
-        curv = _assemble(params, blocks, grouping, processed, selected)
-        return curv, outputs, grads, s
+        return blocks
 
     def _grouping(self, processed, selected, model):
         """The structure's groups, in parameter order, and what each needs."""
