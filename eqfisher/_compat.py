@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.extend as jex
-import jaxlib
+import jaxlib.version
 from jax._src import traceback_util
 from jax.interpreters import ad, batching, mlir
 
@@ -31,7 +31,7 @@ def release(version: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-JAXLIB_RELEASE = release(jaxlib.__version__)
+JAXLIB_RELEASE = release(jaxlib.version.__version__)
 
 # jaxlib 0.10 splits one batched LAPACK call (Cholesky, eigh, QR, SVD, LU, triangular
 # solve) over the CPU thread pool that the call itself runs on, and blocks until the
@@ -281,8 +281,9 @@ def unique_invars(eqn: JaxprEqn) -> list[Var]:
 
 
 # `jax.extend.core` exports `DropVar` from jax 0.10 only.
-_DropVar = getattr(jex.core, "DropVar", None)
-if _DropVar is None:
+try:
+    from jax.extend.core import DropVar as _DropVar
+except ImportError:
     from jax._src.core import DropVar as _DropVar
 
 

@@ -1,10 +1,13 @@
 import abc
 import math
+from typing import TypeVar, cast
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import lineax as lx
+import numpy as np
 from jaxtyping import Array, Float, ScalarLike
 
 
@@ -114,8 +117,10 @@ def check_damping(damping: ScalarLike, dtype) -> Float[Array, ""]:
         raise ValueError(f"`damping` must be a scalar, got shape {jnp.shape(damping)}.")
     message = "`damping` must be positive: B + damping·I must be positive definite."
     if isinstance(damping, jax.core.Tracer):
-        return eqx.error_if(jnp.asarray(damping, dtype), damping <= 0, message)
-    if not float(damping) > 0:
+        return eqx.error_if(
+            jnp.asarray(damping, dtype), jnp.asarray(damping) <= 0, message
+        )
+    if not float(np.asarray(damping)) > 0:
         raise ValueError(f"{message} Got {damping}.")
     return jnp.asarray(damping, dtype)
 
@@ -127,16 +132,20 @@ def check_scalar(value: ScalarLike, name: str, dtype, *, upper: float | None = N
     bounds = "[0, inf)" if upper is None else f"[0, {upper:g}]"
     message = f"`{name}` must lie in {bounds}."
     if isinstance(value, jax.core.Tracer):
-        bad = (value < 0) | (False if upper is None else value > upper)
+        x = jnp.asarray(value)
+        bad = (x < 0) | (False if upper is None else x > upper)
         return eqx.error_if(jnp.asarray(value, dtype), bad, message)
-    v = float(value)
+    v = float(np.asarray(value))
     if not (v >= 0 and (upper is None or v <= upper)):
         raise ValueError(f"{message} Got {value}.")
     return jnp.asarray(value, dtype)
 
 
-def check_same(block: AbstractBlock, other: AbstractBlock, method: str) -> None:
-    """Checks that `other` has the type and operand structure of `block`."""
+_Block = TypeVar("_Block", bound=AbstractBlock)
+
+
+def check_same(block: _Block, other: AbstractBlock, method: str) -> _Block:
+    """`other`, after checking that it has the type and operand structure of `block`."""
     if type(other) is not type(block):
         raise TypeError(
             f"`{type(block).__name__}.{method}(other, ...)` needs `other` of type "
@@ -147,6 +156,7 @@ def check_same(block: AbstractBlock, other: AbstractBlock, method: str) -> None:
             f"`{type(block).__name__}.{method}(other, ...)`: `other` acts on "
             f"{other.in_structure()}, but this block on {block.in_structure()}."
         )
+    return cast(_Block, other)  # `type(other) is type(block)`, checked above
 
 
 def structure_size(structure: Structure) -> int:

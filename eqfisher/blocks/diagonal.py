@@ -92,8 +92,8 @@ class DiagonalBlock(AbstractBlock):
     def eigenvalues(self) -> Float[Array, " size"]:
         return ravel(self.diag)
 
-    def ema(self, other: "DiagonalBlock", decay: ScalarLike) -> "DiagonalBlock":
-        check_same(self, other, "ema")
+    def ema(self, other: AbstractBlock, decay: ScalarLike) -> "DiagonalBlock":
+        other = check_same(self, other, "ema")
         decay = check_scalar(decay, "decay", self.diag[0].dtype, upper=1.0)
         return DiagonalBlock(
             tuple(

@@ -157,9 +157,7 @@ class EigenKroneckerFactored(AbstractBlock):
     def eigenvalues(self) -> Float[Array, " size"]:
         return self.scales.ravel()
 
-    def ema(
-        self, other: "EigenKroneckerFactored", decay: ScalarLike
-    ) -> "EigenKroneckerFactored":
+    def ema(self, other: AbstractBlock, decay: ScalarLike) -> "EigenKroneckerFactored":
         """Averages the scales, `decay·scales + (1 − decay)·other.scales`.
 
         The result takes `other`'s eigenbases (the newer estimate), as in EKFAC,
@@ -175,7 +173,7 @@ class EigenKroneckerFactored(AbstractBlock):
 
         An `EigenKroneckerFactored`.
         """
-        check_same(self, other, "ema")
+        other = check_same(self, other, "ema")
         if other.weight_perm != self.weight_perm:
             raise ValueError(
                 "`EigenKroneckerFactored.ema(other, ...)`: `other` has weight_perm "
@@ -249,6 +247,7 @@ def ekfac_from_kronecker(
             f"expected (n, {expected[0]}, {expected[1]})."
         )
     block = block.precompute()
+    assert block.a_eig is not None and block.g_eig is not None  # precompute fills them
     q_a, q_g = block.a_eig[1], block.g_eig[1]
     matrices = per_example_matrices.astype(q_a.dtype)
     rotated = jnp.einsum("ik,nkl,lj->nij", q_g.T, matrices, q_a)

@@ -1,3 +1,5 @@
+from typing import cast
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -78,7 +80,9 @@ class Full(AbstractBlock):
         """
         self.matrix = jnp.asarray(matrix)
         self.structure = normalise_structure(structure)
-        self.eig = None if eig is None else tuple(eig)
+        # A plain tuple (`jnp.linalg.eigh` returns a named one); `__check_init__`
+        # checks its length.
+        self.eig = None if eig is None else cast(tuple[Array, Array], tuple(eig))
 
     def __check_init__(self):
         size = structure_size(self.structure)
@@ -183,8 +187,8 @@ class Full(AbstractBlock):
             return self._clamped_eigh()[0]
         return linalg.eigvalsh(self.matrix)
 
-    def ema(self, other: "Full", decay: ScalarLike) -> "Full":
-        check_same(self, other, "ema")
+    def ema(self, other: AbstractBlock, decay: ScalarLike) -> "Full":
+        other = check_same(self, other, "ema")
         decay = check_scalar(decay, "decay", self.matrix.dtype, upper=1.0)
         matrix = decay * self.matrix + (1 - decay) * other.matrix
         return Full(matrix, self.structure)

@@ -1,3 +1,5 @@
+from typing import cast
+
 import equinox as eqx
 import jax
 import jax.custom_batching
@@ -205,8 +207,9 @@ class KroneckerFactored(AbstractBlock):
         self.g = jnp.asarray(g)
         self.weight_perm = tuple(int(i) for i in weight_perm)
         self.structure = normalise_structure(structure)
-        self.a_eig = None if a_eig is None else tuple(a_eig)
-        self.g_eig = None if g_eig is None else tuple(g_eig)
+        # Plain tuples (`jnp.linalg.eigh` returns a named one).
+        self.a_eig = None if a_eig is None else cast(Eigh, tuple(a_eig))
+        self.g_eig = None if g_eig is None else cast(Eigh, tuple(g_eig))
 
     def __check_init__(self):
         check_layout(
@@ -261,8 +264,8 @@ class KroneckerFactored(AbstractBlock):
             self.g,
             weight_perm=self.weight_perm,
             structure=self.structure,
-            a_eig=tuple(a_eig),
-            g_eig=tuple(g_eig),
+            a_eig=a_eig,
+            g_eig=g_eig,
         )
 
     def mv(self, vector: Operand) -> Operand:
@@ -350,7 +353,7 @@ class KroneckerFactored(AbstractBlock):
         (s_a, _), (s_g, _) = self._eighs()
         return (s_g[:, None] * s_a[None, :]).ravel()
 
-    def ema(self, other: "KroneckerFactored", decay: ScalarLike) -> "KroneckerFactored":
+    def ema(self, other: AbstractBlock, decay: ScalarLike) -> "KroneckerFactored":
         """Averages each factor: `decay·A + (1 − decay)·A'`, likewise G.
 
         This is the usual K-FAC practice; it is not the average of the Kronecker
@@ -365,7 +368,7 @@ class KroneckerFactored(AbstractBlock):
 
         A `KroneckerFactored`.
         """
-        check_same(self, other, "ema")
+        other = check_same(self, other, "ema")
         if other.weight_perm != self.weight_perm:
             raise ValueError(
                 "`KroneckerFactored.ema(other, ...)`: `other` has weight_perm "

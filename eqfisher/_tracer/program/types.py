@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.core
 
 from ... import _compat
 
