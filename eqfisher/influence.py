@@ -180,7 +180,9 @@ class ConjugateGradient(AbstractInverse):
         # lineax stops when every residual component is below atol + rtol·|b_i|:
         # atol is taken relative to the largest component of b.
         scale = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in leaves])) * inv
-        solver = lx.CG(rtol=self.rtol, atol=self.atol * scale, max_steps=self.max_steps)
+        # `lineax.CG.atol` is annotated `float` but is a dynamic field: an array works.
+        atol = self.atol * scale
+        solver = lx.CG(rtol=self.rtol, atol=atol, max_steps=self.max_steps)  # pyright: ignore[reportArgumentType]
         return lx.linear_solve(damped, b, solver, throw=False).value
 
 
@@ -217,7 +219,7 @@ def _factored_dot(factored: list, g: PyTree) -> Float[Array, ""]:
             total = total + jnp.einsum("ir,ij,jr->", f[0], y, f[1])
         else:
             total = total + jnp.vdot(f, y)
-    return total
+    return jnp.asarray(total)
 
 
 def influence_scores(

@@ -8,9 +8,11 @@ loss family sits on top of it, the targets, and the per-example weights.
 """
 
 import abc
+from typing import ClassVar
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, Shaped
 
@@ -130,7 +132,7 @@ class Categorical(AbstractLossFamily):
         ```
     """
 
-    name = "categorical"
+    name: ClassVar[str] = "categorical"
 
     def per_example(self, inputs, targets):
         log_p = jax.nn.log_softmax(inputs, axis=-1)
@@ -247,7 +249,7 @@ class Bernoulli(AbstractLossFamily):
         ```
     """
 
-    name = "bernoulli"
+    name: ClassVar[str] = "bernoulli"
 
     def per_example(self, inputs, targets):
         targets = targets.astype(inputs.dtype)
@@ -288,7 +290,7 @@ class Gaussian(AbstractLossFamily):
         ```
     """
 
-    name = "gaussian"
+    name: ClassVar[str] = "gaussian"
 
     def per_example(self, inputs, targets):
         return 0.5 * jnp.sum(jnp.square(inputs - targets.astype(inputs.dtype)), -1)

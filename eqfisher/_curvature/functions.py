@@ -11,7 +11,7 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from .._config import Config, current_config
-from .._tracer import Traced
+from .._tracer import Returns, Traced
 from ..filters import AbstractFilter
 from .builder import Builder, check_args
 from .estimators import AbstractEstimator
@@ -155,7 +155,9 @@ def value_grad_and_curvature(
         ```
     """
     caller = "eqfisher.value_grad_and_curvature"
-    traced = Traced(loss_fn, caller, _returns(caller, has_aux, surrogate))
+    traced = Traced(
+        loss_fn, caller, _returns(caller, has_aux, surrogate), takes_has_aux=True
+    )
     cotangent_fn = functools.partial(_cotangents, which=1 if surrogate else 0)
 
     def fn(model, batch, *, key=None):
@@ -175,7 +177,7 @@ def value_grad_and_curvature(
     return fn
 
 
-def _returns(caller: str, has_aux: bool, surrogate: bool) -> str:
+def _returns(caller: str, has_aux: bool, surrogate: bool) -> Returns:
     """What `loss_fn` returns, as `Traced` names it: `"aux"`, `"surrogate"` or
     `"loss"`."""
     if has_aux and surrogate:

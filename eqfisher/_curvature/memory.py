@@ -49,10 +49,11 @@ def _nbytes(tree: PyTree) -> int:
 
 def _size(n: int) -> str:
     """`n` bytes, human-readable (binary prefixes)."""
+    scaled: float = n
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
+        if abs(scaled) < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{scaled:.1f} {unit}"
+        scaled /= 1024
     raise AssertionError  # unreachable
 
 

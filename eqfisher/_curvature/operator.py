@@ -282,7 +282,7 @@ class Curvature(lx.AbstractLinearOperator):
             assert jnp.allclose(curv.logdet(0.1), dense, rtol=1e-4)
             ```
         """
-        return sum(b.logdet(damping) for b in self.blocks.values())
+        return jnp.asarray(sum(b.logdet(damping) for b in self.blocks.values()))
 
     def trace(self) -> Float[Array, ""]:
         """The trace, the sum of the blocks' traces (no dense matrix is formed).
@@ -296,7 +296,7 @@ class Curvature(lx.AbstractLinearOperator):
             assert jnp.allclose(curv.trace(), jnp.trace(curv.as_matrix()))
             ```
         """
-        return sum(b.trace() for b in self.blocks.values())
+        return jnp.asarray(sum(b.trace() for b in self.blocks.values()))
 
     def ema(self, other: "Curvature", decay: ScalarLike) -> "Curvature":
         r"""The moving average $\text{decay} \cdot \text{self} + (1 - \text{decay})

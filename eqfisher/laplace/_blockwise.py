@@ -113,7 +113,9 @@ def _(block: Full, vector, scale, prior):
     flat = jnp.concatenate([jnp.ravel(x) for x in vector]).astype(block.matrix.dtype)
     # Rounding can leave a PSD matrix with small negative eigenvalues: clamped, as
     # `Full.solve` does when its Cholesky factorisation fails.
-    values, vectors = block.precompute().eig if block.eig is None else block.eig
+    eig = block.precompute().eig if block.eig is None else block.eig
+    assert eig is not None  # `precompute` fills it
+    values, vectors = eig
     factor = 1 / jnp.sqrt(scale * jnp.maximum(values, 0) + prior)
     out = vectors @ (factor * (vectors.T @ flat))
     parts, start = [], 0
@@ -136,6 +138,7 @@ def _(block: DiagonalBlock, vector, scale, prior):
 @sqrt_inverse_mv.register
 def _(block: KroneckerFactored, vector, scale, prior):
     block = block.precompute()  # clamps the factors' eigenvalues at zero
+    assert block.a_eig is not None and block.g_eig is not None  # and fills them
     (s_a, q_a), (s_g, q_g) = block.a_eig, block.g_eig
     factor = 1 / jnp.sqrt(scale * s_g[:, None] * s_a[None, :] + prior)
     matrix = to_matrix(

@@ -194,8 +194,9 @@ def _posterior_at(
     )
     if previous is None:
         return post
+    prior: dict[str, ScalarLike] = dict(previous.prior_precision)
     return post.replace(
-        prior_precision=previous.prior_precision,
+        prior_precision=prior,
         noise_std=previous.noise_std if noise else None,
     )
 

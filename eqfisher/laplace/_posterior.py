@@ -7,6 +7,7 @@ from typing import Literal
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree, ScalarLike
 
@@ -281,9 +282,12 @@ class Laplace(eqx.Module):
         $$
         """
         scale = self.curvature_scale
-        return sum(
-            block_size(b) * jnp.log(scale) + b.logdet(self.prior_precision[n] / scale)
-            for n, b in self.curvature.blocks.items()
+        return jnp.asarray(
+            sum(
+                block_size(b) * jnp.log(scale)
+                + b.logdet(self.prior_precision[n] / scale)
+                for n, b in self.curvature.blocks.items()
+            )
         )
 
     def log_likelihood(self) -> Float[Array, ""]:

@@ -245,7 +245,12 @@ def spectral_density(
     q = lanczos_quadrature(operator, iterations=iterations, key=key, repeats=repeats)
     if kappa is None:
         kappa = 1.04 if log else 3.0
-    options = dict(points=points, kappa=kappa, margin=margin, boundaries=boundaries)
     if log:
-        return q.log_density(**options, epsilon=epsilon)
-    return q.density(**options)
+        return q.log_density(
+            points=points,
+            kappa=kappa,
+            margin=margin,
+            boundaries=boundaries,
+            epsilon=epsilon,
+        )
+    return q.density(points=points, kappa=kappa, margin=margin, boundaries=boundaries)

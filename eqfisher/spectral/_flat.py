@@ -26,7 +26,7 @@ class FlatOperator(eqx.Module):
     operator: lx.AbstractLinearOperator
     treedef: object = eqx.field(static=True)
     shapes: tuple[tuple[int, ...], ...] = eqx.field(static=True)
-    dtype: object = eqx.field(static=True)
+    dtype: np.dtype = eqx.field(static=True)
     symmetric: bool = eqx.field(static=True)
     batch_size: int | None = eqx.field(static=True)
 

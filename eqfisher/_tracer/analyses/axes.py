@@ -61,16 +61,16 @@ def location_axes(labels: Sequence[OutputLabel]) -> tuple[int, ...]:
 
 def feature_axes(labels: Sequence[OutputLabel]) -> tuple[int, ...]:
     """The feature axes, in feature order."""
-    feats = [i for i, lab in enumerate(labels) if isinstance(lab, Feature)]
-    return tuple(sorted(feats, key=lambda i: labels[i]))
+    feats = [(lab.index, i) for i, lab in enumerate(labels) if isinstance(lab, Feature)]
+    return tuple(i for _, i in sorted(feats))
 
 
 def matrix_order(labels: Sequence[OutputLabel]) -> tuple[int, ...]:
     """The output axes as (locations..., unlabelled..., features...): transposed so,
     an output reshapes to its `(locations, d_out)` matrix."""
-    locs = sorted(location_axes(labels), key=lambda i: labels[i])
+    locs = [(lab.index, i) for i, lab in enumerate(labels) if isinstance(lab, Location)]
     rest = tuple(i for i, lab in enumerate(labels) if lab is None)
-    return tuple(locs) + rest + feature_axes(labels)
+    return tuple(i for _, i in sorted(locs)) + rest + feature_axes(labels)
 
 
 def _non_singleton(shape: Sequence[int]) -> list[int]:

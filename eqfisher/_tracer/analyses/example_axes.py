@@ -368,11 +368,12 @@ def _gather(eqn, labels) -> Any:
     if ei is not None and ei == n_idx - 1:
         return MIXED  # the index vector itself
     if eo is None:
-        return batch[ei]  # pyright: ignore
+        assert ei is not None  # `eqn_labels` calls a rule with some operand labelled
+        return batch[ei]
     operand_batching, indices_batching = _compat.gather_batching_dims(dn)
     if eo in operand_batching:
         j = operand_batching.index(eo)
-        return batch[ei] if ei == indices_batching[j] else MIXED
+        return batch[ei] if ei is not None and ei == indices_batching[j] else MIXED
     if ei is not None or eo in dn.collapsed_slice_dims or eo in dn.start_index_map:
         return MIXED
     if _compat.param(eqn, "slice_sizes")[eo] != _shape(eqn.invars[0])[eo]:
