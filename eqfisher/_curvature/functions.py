@@ -155,9 +155,7 @@ def value_grad_and_curvature(
         ```
     """
     caller = "eqfisher.value_grad_and_curvature"
-    traced = Traced(
-        loss_fn, caller, _returns(caller, has_aux, surrogate), takes_has_aux=True
-    )
+    traced = Traced(loss_fn, caller, _returns(caller, has_aux, surrogate))
     cotangent_fn = functools.partial(_cotangents, which=1 if surrogate else 0)
 
     def fn(model, batch, *, key=None):
