@@ -28,8 +28,9 @@ class DiagonalOutputKFAC(ef.AbstractStructure):
     the exact diagonal elsewhere."""
 
     max_out: int = eqx.field(static=True)
+    steps_alike = True
 
-    def groups(self, candidates, model, caller):
+    def groups(self, candidates, model):
         return candidates
 
     def needs(self, group):
@@ -55,6 +56,7 @@ class DiagonalHessianGGN(ef.AbstractEstimator):
     """Σₙ Jₙᵀ diag(Hₙ) Jₙ: the GGN with each loss Hessian replaced by its diagonal."""
 
     needs_key = False
+    splits_positions = True
 
     def output_vectors(self, loss, key):
         s = loss.family.sqrt_hessian(loss.inputs)  # (*leading, out, k): S Sᵀ = H
@@ -161,7 +163,9 @@ def test_user_estimator_with_user_structure():
 
 def test_a_structure_without_its_methods_cannot_be_made():
     class Incomplete(ef.AbstractStructure):
-        def groups(self, candidates, model, caller):
+        steps_alike = False
+
+        def groups(self, candidates, model):
             return candidates
 
     with pytest.raises(TypeError, match="abstract.*block.*needs"):
@@ -171,6 +175,7 @@ def test_a_structure_without_its_methods_cannot_be_made():
 def test_an_estimator_without_its_methods_cannot_be_made():
     class Incomplete(ef.AbstractEstimator):
         needs_key = False
+        splits_positions = False
 
         def output_vectors(self, loss, key):
             return ef.GGN().output_vectors(loss, key)
@@ -182,7 +187,9 @@ def test_an_estimator_without_its_methods_cannot_be_made():
 class KroneckerEverywhere(ef.AbstractStructure):
     """Asks for Kronecker factors even where a group has none."""
 
-    def groups(self, candidates, model, caller):
+    steps_alike = False
+
+    def groups(self, candidates, model):
         return candidates
 
     def needs(self, group):
@@ -193,7 +200,9 @@ class KroneckerEverywhere(ef.AbstractStructure):
 
 
 class NoBlock(ef.AbstractStructure):
-    def groups(self, candidates, model, caller):
+    steps_alike = False
+
+    def groups(self, candidates, model):
         return candidates
 
     def needs(self, group):

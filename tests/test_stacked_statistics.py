@@ -251,9 +251,10 @@ def test_bfloat16_reduce_keeps_per_location_cotangents(sharing):
 
 
 class StepByStepKFAC(ef.AbstractKroneckerStructure):
-    """K-FAC whose blocks are built one step at a time (`steps_alike` unset)."""
+    """K-FAC whose blocks are built one step at a time (`steps_alike = False`)."""
 
     weight_sharing: str = "reduce"
+    steps_alike = False
 
     def kronecker_needs(self):
         return ef.Needs(kronecker=True, weight_sharing=self.weight_sharing)

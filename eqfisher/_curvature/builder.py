@@ -147,7 +147,7 @@ class Builder(eqx.Module):
             # XLA cannot remove from a batched product.
             (grads,) = grad_vjp(cotangent_fn(outputs[0]))
         _, point_ct = _pull_each(vjp, vectors)
-        if not all(self.estimator.example_vectors(v) is v for v in per_loss):
+        if self.estimator.splits_positions and any(v.ndim > 3 for v in per_loss):
             shifts = []  # an example's vectors are not its part of the batch's
         rows = self._rows(
             model,
@@ -201,12 +201,12 @@ class Builder(eqx.Module):
             selected,
             stats.unsupported,
         )
-        grouping = check_groups(
-            self.structure,
-            self.structure.groups(found, model, self.caller),
-            found,
-            self.caller,
-        )
+        try:
+            groups = self.structure.groups(found, model)
+        except Exception as e:
+            e.add_note(f"(from `{self.caller}(..., structure={self.structure!r})`)")
+            raise
+        grouping = check_groups(self.structure, groups, found, self.caller)
         grouping = sorted(grouping, key=lambda g: min(g.units))
         return grouping, [_needs(self.structure, g, self.caller) for g in grouping]
 

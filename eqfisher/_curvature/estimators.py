@@ -24,7 +24,18 @@ from .examples import split_along
 class AbstractEstimator(eqx.Module):
     """Which curvature matrix to estimate.
 
-    An estimator sets `needs_key` and implements three methods:
+    An estimator sets two class variables:
+
+    - `needs_key`: whether `output_vectors` needs a `key` (it samples).
+    - `splits_positions`: whether `example_vectors` splits an example's vectors by
+      position, one vector per position, as a square root of a loss Hessian that is
+      block-diagonal over positions needs. `False` declares that `example_vectors`
+      returns `vectors` unchanged: an example's vectors are then its slice of the
+      batch's, and eqfisher takes some per-example vectors (scale-and-shift layers)
+      from the batch's pullback instead of a pass per example. `True` declares
+      that it returns them unchanged for losses without positions, `(k, n, out)`.
+
+    and implements three methods:
 
     - `output_vectors(loss, key)`: the scaled vectors V, `(k, *leading, out)`, whose
       outer products give the curvature in the loss's inputs (see the module).
@@ -45,6 +56,7 @@ class AbstractEstimator(eqx.Module):
 
         class MyEmpiricalFisher(ef.AbstractEstimator):
             needs_key = False
+            splits_positions = False  # `example_vectors` returns its input
 
             def output_vectors(self, loss, key):
                 g = loss.family.output_gradient(loss.inputs, loss.targets)
@@ -71,6 +83,7 @@ class AbstractEstimator(eqx.Module):
     """
 
     needs_key: eqx.AbstractClassVar[bool]
+    splits_positions: eqx.AbstractClassVar[bool]
 
     @abc.abstractmethod
     def output_vectors(
@@ -122,6 +135,7 @@ class GGN(AbstractEstimator):
     """
 
     needs_key = False
+    splits_positions = True
 
     def output_vectors(self, loss, key):
         s = loss.family.sqrt_hessian(loss.inputs)  # (*leading, out, k)
@@ -153,6 +167,7 @@ class FisherExact(AbstractEstimator):
     """
 
     needs_key = False
+    splits_positions = True
 
     def output_vectors(self, loss, key):
         return GGN().output_vectors(loss, key)
@@ -183,6 +198,7 @@ class FisherMC(AbstractEstimator):
 
     samples: int = eqx.field(static=True, default=1)
     needs_key = True
+    splits_positions = False
 
     def __check_init__(self):
         if not isinstance(self.samples, int) or self.samples < 1:
@@ -235,6 +251,7 @@ class EmpiricalFisher(AbstractEstimator):
     """
 
     needs_key = False
+    splits_positions = False
 
     def output_vectors(self, loss, key):
         grads = loss.family.output_gradient(loss.inputs, loss.targets)

@@ -155,7 +155,9 @@ def value_grad_and_curvature(
         ```
     """
     caller = "eqfisher.value_grad_and_curvature"
-    traced = Traced(loss_fn, caller, _returns(caller, has_aux, surrogate))
+    traced = Traced(
+        loss_fn, caller, _returns(caller, has_aux, surrogate), takes_has_aux=True
+    )
     cotangent_fn = functools.partial(_cotangents, which=1 if surrogate else 0)
 
     def fn(model, batch, *, key=None):

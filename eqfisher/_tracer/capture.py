@@ -199,13 +199,17 @@ def _hashable(tree) -> Any:
 Returns = Literal["loss", "aux", "surrogate"]
 
 
-def _check_returns(out: Any, returns: Returns, caller: str) -> None:
-    """Checks what `loss_fn` returned, as `eqx.filter_value_and_grad` does."""
+def _check_returns(
+    out: Any, returns: Returns, caller: str, takes_has_aux: bool
+) -> None:
+    """Checks what `loss_fn` returned, as `eqx.filter_value_and_grad` does;
+    `takes_has_aux` says whether `caller` takes `has_aux=` (the fix it names for a
+    `(loss, aux)` pair)."""
     is_pair = isinstance(out, (tuple, list)) and len(out) == 2
     if returns == "loss" and isinstance(out, (tuple, list)):
         fix = (
             "pass `has_aux=True`"
-            if caller.endswith("value_grad_and_curvature")
+            if takes_has_aux
             else "return only the loss (e.g. `lambda m, b: loss_fn(m, b)[0]`)"
         )
         raise TypeError(
@@ -242,14 +246,17 @@ def trace(
     caller: str = "eqfisher",
     returns: Returns = "loss",
     layers: bool = True,
+    takes_has_aux: bool = False,
 ) -> ProcessedTrace:
     """Traces `loss_fn` on the split model and batch.
 
     `returns` says what `loss_fn` returns: the scalar loss, `(loss, aux)` or
-    `(loss, surrogate)`. The loss must be affine in the registered losses' values
-    and (except with a surrogate) depend on parameters only through them. Without
-    `layers`, no layers are looked for (a trace that is only run, such as the
-    per-example pass's: a scanned model's detection costs a record per step).
+    `(loss, surrogate)`; `takes_has_aux` whether `caller` takes `has_aux=` (the
+    fix named for a pair returned without it). The loss must be affine in the
+    registered losses' values and (except with a surrogate) depend on parameters
+    only through them. Without `layers`, no layers are looked for (a trace that is
+    only run, such as the per-example pass's: a scanned model's detection costs a
+    record per step).
     """
     n_p, n_o = len(s.params), len(s.others)
     out_trees = []
@@ -259,7 +266,7 @@ def trace(
             list(leaves[:n_p]), list(leaves[n_p : n_p + n_o]), list(leaves[n_p + n_o :])
         )
         out = loss_fn(model, batch)
-        _check_returns(out, returns, caller)
+        _check_returns(out, returns, caller, takes_has_aux)
         out_trees.append(jax.tree_util.tree_structure(out))
         return out
 
@@ -306,15 +313,28 @@ def trace(
 
 
 class Traced:
-    """A loss function with a cache of its traces, one per argument structure."""
+    """A loss function with a cache of its traces, one per argument structure.
 
-    def __init__(self, loss_fn: Callable, caller: str, returns: Returns = "loss"):
+    `caller` names the public function in error messages, `returns` is what
+    `loss_fn` returns and `takes_has_aux` whether `caller` takes `has_aux=` (see
+    `trace`).
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable,
+        caller: str,
+        returns: Returns = "loss",
+        *,
+        takes_has_aux: bool = False,
+    ):
         if not callable(loss_fn):
             raise TypeError(f"`{caller}`: `loss_fn` must be callable, got {loss_fn!r}.")
         self.loss_fn = loss_fn
         self.cache = {}
         self.caller = caller
         self.returns = returns
+        self.takes_has_aux = takes_has_aux
 
     def trace(self, s: Split, *, layers: bool = True) -> ProcessedTrace:
         key = (s.key, current_config(), layers)
@@ -322,7 +342,12 @@ class Traced:
         if cached is not None:
             return cached
         processed = trace(
-            self.loss_fn, s, caller=self.caller, returns=self.returns, layers=layers
+            self.loss_fn,
+            s,
+            caller=self.caller,
+            returns=self.returns,
+            layers=layers,
+            takes_has_aux=self.takes_has_aux,
         )
         consts = [
             n for n in processed.program.nodes for a in n.args if _is_tracer_const(a)

@@ -2,7 +2,6 @@
 (a dense block per layer) and `Diagonal` (the exact diagonal)."""
 
 import math
-from typing import ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -27,14 +26,15 @@ class Dense(AbstractStructure):
     """
 
     max_gib: float = eqx.field(static=True, default=1.0)
+    steps_alike = False
 
-    def groups(self, candidates, model, caller):
+    def groups(self, candidates, model):
         merged = Group.merge(candidates, "all")
         sizes = [math.prod(s.shape) for s in merged.shapes]
         gib = matrix_gib(sizes, jnp.result_type(*[s.dtype for s in merged.shapes]))
         if gib > self.max_gib:
             raise ValueError(
-                f"`{caller}(..., structure=eqfisher.Dense())`: the dense matrix over "
+                f"`eqfisher.Dense()`: the dense matrix over "
                 f"{sum(sizes):,} parameters would take {gib:.2f} GiB, above "
                 f"`max_gib` = {self.max_gib}. Use structure=eqfisher.KFAC(), "
                 "BlockDiagonal() or Diagonal(), select fewer parameters with "
@@ -54,9 +54,7 @@ class _AbstractExactPerLayer(AbstractStructure):
     """A block per candidate (per layer, and per leaf in no layer), built from the
     exact per-example vectors; subclasses implement `block`."""
 
-    steps_alike: ClassVar[bool] = True
-
-    def groups(self, candidates, model, caller):
+    def groups(self, candidates, model):
         return candidates
 
     def needs(self, group):
@@ -76,6 +74,8 @@ class BlockDiagonal(_AbstractExactPerLayer):
         ```
     """
 
+    steps_alike = True
+
     def block(self, group, statistics):
         return statistics.full()
 
@@ -90,6 +90,8 @@ class Diagonal(_AbstractExactPerLayer):
         diag = curv.diagonal()  # a PyTree like the parameters, e.g. EWC's weights
         ```
     """
+
+    steps_alike = True
 
     def block(self, group, statistics):
         return statistics.diagonal()

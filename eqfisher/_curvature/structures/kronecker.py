@@ -2,7 +2,6 @@
 subclasses `KFAC` and `EKFAC`."""
 
 import abc
-from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -23,8 +22,8 @@ class AbstractKroneckerStructure(AbstractStructure):
     the exact diagonal for every other parameter (scale-and-shift layers, leaves in
     no layer, a layer whose weight is not selected).
 
-    Subclasses set `weight_sharing` and implement `kronecker_needs` and
-    `kronecker_block`.
+    Subclasses set `weight_sharing` and `steps_alike` (see `AbstractStructure`) and
+    implement `kronecker_needs` and `kronecker_block`.
 
     !!! Example
 
@@ -33,6 +32,7 @@ class AbstractKroneckerStructure(AbstractStructure):
         ```python
         class MyKFAC(ef.AbstractKroneckerStructure):
             weight_sharing: str = "expand"
+            steps_alike = True  # a block reads only the group's shapes
 
             def kronecker_needs(self):
                 return ef.Needs(kronecker=True, weight_sharing=self.weight_sharing)
@@ -60,11 +60,11 @@ class AbstractKroneckerStructure(AbstractStructure):
                 f"'expand' or 'reduce', got {self.weight_sharing!r}."
             )
 
-    def groups(self, candidates, model, caller):
+    def groups(self, candidates, model):
         for g in candidates:
             if g.unsupported is None:
                 continue
-            head = f"`{caller}(..., structure={self!r})`: layer `{g.name}` "
+            head = f"`{self!r}`: layer `{g.name}` "
             if len(candidates) == 1:
                 raise ValueError(
                     f"{head}{g.unsupported}, and it holds every parameter selected. "
@@ -146,7 +146,7 @@ class KFAC(AbstractKroneckerStructure):
 
     weight_sharing: WeightSharing = eqx.field(static=True, default="expand")
     max_factor_dim: int | None = eqx.field(static=True, default=None)
-    steps_alike: ClassVar[bool] = True
+    steps_alike = True
 
     def __check_init__(self):
         m = self.max_factor_dim
@@ -183,7 +183,7 @@ class EKFAC(AbstractKroneckerStructure):
     """
 
     weight_sharing: WeightSharing = eqx.field(static=True, default="expand")
-    steps_alike: ClassVar[bool] = True
+    steps_alike = True
 
     def kronecker_needs(self):
         return Needs(kronecker=True, examples=True, weight_sharing=self.weight_sharing)

@@ -10,15 +10,13 @@ from ... import filters
 from .protocol import AbstractStructure, Group
 
 
-def _leaf_mask(model: PyTree, where, caller: str, part: int) -> list[bool]:
+def _leaf_mask(model: PyTree, where, part: int) -> list[bool]:
     """Per parameter leaf of `model`, whether `where` selects it."""
     leaves = jax.tree_util.tree_leaves(model)
     try:
         flags = jax.tree_util.tree_leaves(filters.mask(model, where))
     except ValueError as e:
-        raise ValueError(
-            f"`{caller}(..., structure=eqfisher.PerLayer(...))`: part {part}: {e}"
-        ) from None
+        raise ValueError(f"`eqfisher.PerLayer(...)`: part {part}: {e}") from None
     return [f for f, x in zip(flags, leaves) if eqx.is_inexact_array(x)]
 
 
@@ -50,6 +48,9 @@ class PerLayer(AbstractStructure):
 
     parts: tuple[tuple[object, AbstractStructure], ...]
     default: AbstractStructure
+    # A class variable cannot say whether every part's structure builds the steps
+    # alike, so the steps' blocks are built one by one.
+    steps_alike = False
 
     def __init__(self, *parts: tuple[object, AbstractStructure], default):
         self.parts = tuple(tuple(p) for p in parts)
@@ -72,8 +73,8 @@ class PerLayer(AbstractStructure):
     def _structures(self) -> tuple[AbstractStructure, ...]:
         return tuple(s for _, s in self.parts) + (self.default,)
 
-    def groups(self, candidates, model, caller):
-        masks = [_leaf_mask(model, w, caller, i) for i, (w, _) in enumerate(self.parts)]
+    def groups(self, candidates, model):
+        masks = [_leaf_mask(model, w, i) for i, (w, _) in enumerate(self.parts)]
         chosen: list[list[Group]] = [[] for _ in self._structures()]
         for g in candidates:
             parts = {
@@ -82,7 +83,7 @@ class PerLayer(AbstractStructure):
             }
             if len(parts) != 1:
                 raise ValueError(
-                    f"`{caller}(..., structure=eqfisher.PerLayer(...))`: the "
+                    "`eqfisher.PerLayer(...)`: the "
                     f"parameters of `{g.name}` ({', '.join(g.paths)}) go to "
                     f"different parts {sorted(parts)}; a block's parameters need "
                     f"one structure. Select whole layers, e.g. "
@@ -94,13 +95,13 @@ class PerLayer(AbstractStructure):
             if part:
                 out += [
                     dataclasses.replace(g, route=(k,) + g.route)
-                    for g in structure.groups(tuple(part), model, caller)
+                    for g in structure.groups(tuple(part), model)
                 ]
         names = [g.name for g in out]
         if len(set(names)) != len(names):
             twice = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(
-                f"`{caller}(..., structure=eqfisher.PerLayer(...))`: two parts "
+                "`eqfisher.PerLayer(...)`: two parts "
                 f"build blocks named {twice}; use at most one `Dense()` part."
             )
         return tuple(out)

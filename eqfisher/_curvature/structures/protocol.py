@@ -5,7 +5,7 @@ built from) and `Statistics` (those statistics, with the blocks they give).
 
 import abc
 import dataclasses
-from typing import ClassVar, Literal
+from typing import Literal
 
 import equinox as eqx
 import jax
@@ -64,7 +64,9 @@ class Group:
 
         ```python
         class OneBlock(ef.AbstractStructure):
-            def groups(self, candidates, model, caller):
+            steps_alike = False
+
+            def groups(self, candidates, model):
                 assert [g.name for g in candidates] == ["layers[0]", "layers[1]"]
                 assert candidates[0].paths == (".layers[0].weight", ".layers[0].bias")
                 assert candidates[0].kronecker  # a dense layer, its weight selected
@@ -174,6 +176,7 @@ class Statistics(eqx.Module):
         ```python
         class DoubledG(ef.AbstractKroneckerStructure):
             weight_sharing: str = "expand"
+            steps_alike = True
 
             def kronecker_needs(self):
                 return ef.Needs(kronecker=True)
@@ -252,12 +255,12 @@ class Statistics(eqx.Module):
 class AbstractStructure(eqx.Module):
     """How the curvature is approximated.
 
-    A structure implements three methods, which `eqfisher.curvature` calls in turn:
+    A structure sets the class variable `steps_alike` (below) and implements three
+    methods, which `eqfisher.curvature` calls in turn:
 
-    - `groups(candidates, model, caller)`: the blocks, as `Group`s, given one
-      candidate group per layer (its selected leaves) and per selected leaf in no
-      layer. Return `candidates` for one block per layer; merge them with
-      `Group.merge`.
+    - `groups(candidates, model)`: the blocks, as `Group`s, given one candidate
+      group per layer (its selected leaves) and per selected leaf in no layer.
+      Return `candidates` for one block per layer; merge them with `Group.merge`.
     - `needs(group)`: the `Needs` of one block.
     - `block(group, statistics)`: the block, an `eqfisher.blocks.AbstractBlock` on
       the operand `group.shapes`, from the `Statistics` asked for.
@@ -268,7 +271,9 @@ class AbstractStructure(eqx.Module):
 
         ```python
         class MyDiagonal(ef.AbstractStructure):
-            def groups(self, candidates, model, caller):
+            steps_alike = True  # `needs` and `block` read only `shapes`
+
+            def groups(self, candidates, model):
                 return candidates  # one block per layer
 
             def needs(self, group):
@@ -288,31 +293,36 @@ class AbstractStructure(eqx.Module):
         )
         ```
 
-    A structure whose `needs` and `block` read a group only through its `shapes`
-    and `kronecker` (not its name or parameters) sets the class variable
-    `steps_alike = True`: the blocks of a layer stacked with `eqx.filter_vmap` and
-    applied by `lax.scan` (one per step) are then built at once, by `jax.vmap` over
-    the steps' statistics, which compiles one batched computation instead of one
-    per step. eqfisher's `KFAC`, `EKFAC`, `Diagonal` and `BlockDiagonal` do.
+    The class variable `steps_alike`: `True` says that the structure's `needs` and
+    `block` read a group only through its `shapes` and `kronecker` (not its name or
+    parameters): the blocks of a layer stacked with `eqx.filter_vmap` and applied
+    by `lax.scan` (one per step) are then built at once, by `jax.vmap` over the
+    steps' statistics, which compiles one batched computation instead of one per
+    step. eqfisher's `KFAC`, `EKFAC`, `Diagonal` and `BlockDiagonal` set it to
+    `True`; `Dense` and `PerLayer` to `False` (blocks built step by step), as a
+    structure whose blocks depend on a group's name or parameters must.
     """
 
-    steps_alike: ClassVar[bool] = False
+    steps_alike: eqx.AbstractClassVar[bool]
 
     @abc.abstractmethod
-    def groups(
-        self, candidates: tuple[Group, ...], model: PyTree, caller: str
-    ) -> tuple[Group, ...]:
+    def groups(self, candidates: tuple[Group, ...], model: PyTree) -> tuple[Group, ...]:
         """The blocks over the `candidates` (one per layer and per leaf in no layer).
 
         **Arguments:**
 
         - `candidates`: the candidate groups, in model order.
         - `model`: the model the curvature is computed for (for filters).
-        - `caller`: the public function called, for error messages.
 
         **Returns:**
 
         A tuple of `Group`s covering each candidate's parameters exactly once.
+
+        **Raises:**
+
+        An error raised here reaches the user with a note naming the call
+        (`eqfisher.curvature(..., structure=...)`): say what is wrong and how to
+        fix it, in the structure's own words.
         """
 
     @abc.abstractmethod
