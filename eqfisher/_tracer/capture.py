@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
@@ -333,7 +334,7 @@ class Traced:
         self.loss_fn = loss_fn
         self.cache = {}
         self.caller = caller
-        self.returns = returns
+        self.returns: Returns = returns
         self.takes_has_aux = takes_has_aux
 
     def trace(self, s: Split, *, layers: bool = True) -> ProcessedTrace:
