@@ -103,6 +103,7 @@ def tikhonov_inverse(block: AbstractBlock, damping: ScalarLike) -> AbstractBlock
 def _(block: KroneckerFactored, damping):
     # (G ⊗ A + λI)⁻¹ = (Q_G ⊗ Q_A) diag(1 / (s_G s_Aᵀ + λ)) (Q_G ⊗ Q_A)ᵀ.
     block = block if block.a_eig is not None else block.precompute()
+    assert block.a_eig is not None and block.g_eig is not None  # both, or neither
     (s_a, q_a), (s_g, q_g) = block.a_eig, block.g_eig
     damping = jnp.asarray(damping).astype(q_a.dtype)
     scales = 1 / (jnp.maximum(s_g, 0)[:, None] * jnp.maximum(s_a, 0)[None, :] + damping)

@@ -77,7 +77,7 @@ class AdaptiveState(NamedTuple):
 
     damping: Float[Array, ""]
     previous: PyTree
-    count: Int[Array, ""]
+    count: Int[Array, ""]  # pyright: ignore[reportIncompatibleMethodOverride]
     rho: Float[Array, ""]
 
 

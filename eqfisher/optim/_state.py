@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int, PyTree
@@ -66,7 +67,7 @@ class KFACState(NamedTuple):
         ```
     """
 
-    count: Int[Array, ""]
+    count: Int[Array, ""]  # pyright: ignore[reportIncompatibleMethodOverride]
     curvature_count: Int[Array, ""]
     nonfinite_count: Int[Array, ""]
     skipped_count: Int[Array, ""]
@@ -76,7 +77,7 @@ class KFACState(NamedTuple):
 
 
 def value_at(x: ScalarOrSchedule, count: Array) -> Array:
-    return x(count) if callable(x) else jnp.asarray(x)
+    return jnp.asarray(x(count) if callable(x) else x)
 
 
 def check_range(
