@@ -1,6 +1,6 @@
 """K-FAC with step sizes and damping chosen from the local quadratic model."""
 
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -110,7 +110,8 @@ def kfac_adaptive(
 
     def init(params):
         lam = jnp.asarray(initial_damping)
-        return AdaptiveKFACState(initial_state(like, lam, exact), steps.init(params))
+        sstate = cast(AdaptiveState, steps.init(params))  # what adaptive_steps keeps
+        return AdaptiveKFACState(initial_state(like, lam, exact), sstate)
 
     def update(updates, state, params=None, *, curvature=None, quadratic=None, **extra):
         del extra
@@ -129,6 +130,7 @@ def kfac_adaptive(
         step, sstate = steps.update(
             delta, state.steps, params, quadratic=quadratic, grads=updates
         )
-        return step, AdaptiveKFACState(kstate, sstate)
+        return step, AdaptiveKFACState(kstate, cast(AdaptiveState, sstate))
 
-    return optax.GradientTransformationExtraArgs(init, update)
+    # optax types a state as an array tree; this one holds Curvatures (pytrees too).
+    return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]

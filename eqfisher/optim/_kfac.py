@@ -254,7 +254,8 @@ def _preconditioner(
             direction = _constrain(direction, updates, norm_constraint, lr)
         return guard(direction, state)
 
-    return optax.GradientTransformationExtraArgs(init, update)
+    # optax types a state as an array tree; this one holds Curvatures (pytrees too).
+    return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
 
 
 def kfac(
@@ -311,7 +312,7 @@ def kfac(
         model = eqx.apply_updates(model, updates)
         ```
     """
-    parts = [
+    parts: list[optax.GradientTransformation] = [
         _preconditioner(
             "kfac",
             like=like,
