@@ -11,6 +11,7 @@ wₙ of the loss value (1/N for a mean) are folded into V as √wₙ.
 
 import abc
 import math
+from typing import TYPE_CHECKING
 
 import equinox as eqx
 import jax
@@ -19,6 +20,15 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._tracer import RegisteredLoss
 from .examples import split_along
+
+
+# To pyright, `AbstractClassVar` is `typing.ClassVar`, as equinox makes it; the alias
+# is made here because pyright reads one only in the module that makes it (and would
+# otherwise take the class variables below for arguments of `__init__`).
+if TYPE_CHECKING:
+    from typing import ClassVar as AbstractClassVar
+else:
+    from equinox import AbstractClassVar
 
 
 class AbstractEstimator(eqx.Module):
@@ -82,8 +92,8 @@ class AbstractEstimator(eqx.Module):
         ```
     """
 
-    needs_key: eqx.AbstractClassVar[bool]
-    splits_positions: eqx.AbstractClassVar[bool]
+    needs_key: AbstractClassVar[bool]
+    splits_positions: AbstractClassVar[bool]
 
     @abc.abstractmethod
     def output_vectors(

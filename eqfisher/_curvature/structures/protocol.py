@@ -5,7 +5,7 @@ built from) and `Statistics` (those statistics, with the blocks they give).
 
 import abc
 import dataclasses
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import equinox as eqx
 import jax
@@ -22,6 +22,15 @@ from ...blocks import (
     ekfac_from_kronecker,
 )
 from ...blocks._layout import to_matrix
+
+
+# To pyright, `AbstractClassVar` is `typing.ClassVar`, as equinox makes it; the alias
+# is made here because pyright reads one only in the module that makes it (and would
+# otherwise take the class variables below for arguments of `__init__`).
+if TYPE_CHECKING:
+    from typing import ClassVar as AbstractClassVar
+else:
+    from equinox import AbstractClassVar
 
 
 GIB = 2**30
@@ -303,7 +312,7 @@ class AbstractStructure(eqx.Module):
     structure whose blocks depend on a group's name or parameters must.
     """
 
-    steps_alike: eqx.AbstractClassVar[bool]
+    steps_alike: AbstractClassVar[bool]
 
     @abc.abstractmethod
     def groups(self, candidates: tuple[Group, ...], model: PyTree) -> tuple[Group, ...]:
