@@ -8,7 +8,7 @@ loss family sits on top of it, the targets, and the per-example weights.
 """
 
 import abc
-from typing import ClassVar
+from typing import TYPE_CHECKING
 
 import equinox as eqx
 import jax
@@ -17,6 +17,15 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, Shaped
 
 from . import _compat
+
+
+# To pyright, `AbstractClassVar` is `typing.ClassVar`, as equinox makes it; the alias
+# is made here because pyright reads one only in the module that makes it (and would
+# otherwise take the class variables below for arguments of `__init__`).
+if TYPE_CHECKING:
+    from typing import ClassVar as AbstractClassVar
+else:
+    from equinox import AbstractClassVar
 
 
 class AbstractLossFamily(eqx.Module):
@@ -64,7 +73,7 @@ class AbstractLossFamily(eqx.Module):
         ```
     """
 
-    name: eqx.AbstractClassVar[str]
+    name: AbstractClassVar[str]
 
     @abc.abstractmethod
     def per_example(
@@ -132,7 +141,7 @@ class Categorical(AbstractLossFamily):
         ```
     """
 
-    name: ClassVar[str] = "categorical"
+    name = "categorical"
 
     def per_example(self, inputs, targets):
         log_p = jax.nn.log_softmax(inputs, axis=-1)
@@ -249,7 +258,7 @@ class Bernoulli(AbstractLossFamily):
         ```
     """
 
-    name: ClassVar[str] = "bernoulli"
+    name = "bernoulli"
 
     def per_example(self, inputs, targets):
         targets = targets.astype(inputs.dtype)
@@ -290,7 +299,7 @@ class Gaussian(AbstractLossFamily):
         ```
     """
 
-    name: ClassVar[str] = "gaussian"
+    name = "gaussian"
 
     def per_example(self, inputs, targets):
         return 0.5 * jnp.sum(jnp.square(inputs - targets.astype(inputs.dtype)), -1)
