@@ -218,6 +218,7 @@ class FisherMC(AbstractEstimator):
             )
 
     def output_vectors(self, loss, key):
+        assert key is not None  # `needs_key`: the builder has checked
         inputs = jax.lax.stop_gradient(loss.inputs)
 
         def one(k):
