@@ -1,6 +1,7 @@
 """`PerLayer`: different structures for different layers, chosen with filters."""
 
 import dataclasses
+from typing import cast
 
 import equinox as eqx
 import jax
@@ -53,7 +54,9 @@ class PerLayer(AbstractStructure):
     steps_alike = False
 
     def __init__(self, *parts: tuple[object, AbstractStructure], default):
-        self.parts = tuple(tuple(p) for p in parts)
+        # Pairs given as lists become tuples; `__check_init__` checks they are pairs.
+        pairs = tuple(tuple(p) for p in parts)
+        self.parts = cast(tuple[tuple[object, AbstractStructure], ...], pairs)
         self.default = default
 
     def __check_init__(self):

@@ -248,6 +248,7 @@ class Statistics(eqx.Module):
     def kronecker(self) -> KroneckerFactored:
         r"""The K-FAC block $G \otimes A$ (a vector factor is diagonal)."""
         a, g = self._factors("kronecker")
+        assert self.weight_perm is not None  # set with the factors
         return KroneckerFactored(
             a, g, weight_perm=self.weight_perm, structure=self.shapes
         )
@@ -257,7 +258,9 @@ class Statistics(eqx.Module):
         that basis (from the per-example vectors)."""
         rows = self._rows("eigen_kronecker")
         d_out = self._factors("eigen_kronecker")[1].shape[0]
-        mats = jax.vmap(lambda *v: to_matrix(v, self.weight_perm, d_out))(*rows)
+        perm = self.weight_perm
+        assert perm is not None  # set with the factors
+        mats = jax.vmap(lambda *v: to_matrix(v, perm, d_out))(*rows)
         return ekfac_from_kronecker(self.kronecker(), mats)
 
 
