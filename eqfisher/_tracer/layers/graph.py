@@ -19,7 +19,8 @@ from ..program import STRUCTURAL, Node, Program, PVar
 class View(NamedTuple):
     """A parameter seen through structural equations."""
 
-    index: int  # which parameter (leaf or scan unit)
+    # Which parameter (leaf or scan unit); the field hides `tuple.index`.
+    index: int  # pyright: ignore[reportIncompatibleMethodOverride]
     labels: tuple[int | None, ...]  # each axis: the leaf axis it comes from, or None
     nodes: tuple[Node, ...]  # the structural equations between the parameter and here
 
