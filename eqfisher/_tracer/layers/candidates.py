@@ -255,7 +255,9 @@ def _declared(node: Node, graph: Graph) -> Candidate | None:
     return dataclasses.replace(declared, computes=_computing(graph, declared, y))
 
 
-def _declared_bias(node: Node, graph: Graph, weight: View) -> View | None | bool:
+def _declared_bias(
+    node: Node, graph: Graph, weight: View
+) -> View | Literal[False] | None:
     """The bias view of a declared layer; False when its bias is no 1-D parameter."""
     if not node.params["has_bias"]:
         return None
