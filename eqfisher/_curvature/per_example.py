@@ -183,7 +183,7 @@ def one_example(
             "`examples=eqfisher.IndependentExamples(axis=...)`, or pass "
             "`examples=eqfisher.InteractingExamples()`."
         )
-    return OneExample(s, axes, n, processed, loss_axes)  # pyright: ignore
+    return OneExample(s, axes, n, processed, [a for a in loss_axes if a is not None])
 
 
 def _shared_count(s: Split, batch, axis, axes, caller: str) -> int:
@@ -290,7 +290,7 @@ def per_example_vectors(
     vs = tuple(jnp.moveaxis(v, 1, 0) for v in vectors)  # (N, K, ...)
     out, alone, tangents = jax.vmap(example, in_axes=(list(one.axes), 0))(s.batch, vs)
     mismatch = one.mismatch(full_inputs, alone)
-    if along.full is not None:
+    if along.full is not None and tangents is not None:
         mismatch = mismatch | one.mismatch(along.full, tangents)
     return [x.reshape((-1,) + x.shape[2:]) for x in out], mismatch
 
@@ -301,7 +301,7 @@ def examples_mismatch(
     """`OneExample.mismatch`, in value and along the probe's tangent, from a
     forward (JVP) per example (no backward)."""
     params = jax.lax.stop_gradient(list(one.s.params))
-    if along.direction is None:
+    if along.direction is None or along.full is None:
         alone = jax.vmap(lambda ex: one.run(params, ex), in_axes=(list(one.axes),))(
             one.s.batch
         )
@@ -427,14 +427,15 @@ def shift_rows(
         first = uses[0]
         layout = _layout(first, n, labels)
         assert layout is not None
-        length = first.outputs.stacked.aval.shape[0] if at_steps(first) else 0
+        # `at_steps` and `every_step` say the record's variables are `StepVar`s.
+        length = first.outputs.stacked.aval.shape[0] if at_steps(first) else 0  # pyright: ignore[reportAttributeAccessIssue]
         shared = len({r.param_indices for r in uses}) == 1
         if at_steps(first) and shared and len(uses) == length:
             parts = _use_rows(
                 first,
                 layout,
                 inputs.values[first.inputs.stacked],
-                cotangents[first.outputs.stacked],
+                cotangents[first.outputs.stacked],  # pyright: ignore[reportAttributeAccessIssue]
                 steps=True,
             )
             _add(rows, first.param_indices, parts)
@@ -444,7 +445,7 @@ def shift_rows(
             # at once, then each step's taken by its parameters.
             one_step = functools.partial(_use_rows, first, layout, steps=False)
             per_step = jax.vmap(one_step, in_axes=(0, 1))(
-                inputs.values[first.inputs.stacked], cotangents[first.outputs.stacked]
+                inputs.values[first.inputs.stacked], cotangents[first.outputs.stacked]  # pyright: ignore[reportAttributeAccessIssue]
             )
             # Shaped as rows before a step is taken: the builder stacks the steps'
             # rows again (`Builder._run_blocks`), which XLA then reads as the same
@@ -454,7 +455,7 @@ def shift_rows(
                 for p, i in zip(per_step, first.param_indices)
             ]
             for r in uses:
-                _add(rows, r.param_indices, [p[r.outputs.step] for p in per_step])
+                _add(rows, r.param_indices, [p[r.outputs.step] for p in per_step])  # pyright: ignore[reportAttributeAccessIssue]
             continue
         for r in uses:
             parts = _use_rows(

@@ -260,8 +260,8 @@ def pooled_factors(
     for uses in scan_uses(records):
         first = uses[0]
         if every_step(uses) and first.kind in _POOLED:
-            x = inputs.values[first.inputs.stacked]  # pyright: ignore
-            g = cotangents[first.outputs.stacked]  # pyright: ignore
+            x = inputs.values[first.inputs.stacked]  # pyright: ignore[reportAttributeAccessIssue]
+            g = cotangents[first.outputs.stacked]  # pyright: ignore[reportAttributeAccessIssue]
             parts.append(_steps_factors(first, x, g, *args))
             continue
         for r in uses:
@@ -287,7 +287,7 @@ def pooled_factors(
     total = sum(n for _, _, n in parts)
     a = sum(a_u * (n / total) for a_u, _, n in parts)
     g = sum(g_u for _, g_u, _ in parts)
-    return a, g  # pyright: ignore
+    return jnp.asarray(a), jnp.asarray(g)
 
 
 def scan_uses(records: Sequence[LayerRecord]) -> list[list[LayerRecord]]:
@@ -296,7 +296,7 @@ def scan_uses(records: Sequence[LayerRecord]) -> list[list[LayerRecord]]:
     uses: dict[tuple[int, int], list[LayerRecord]] = {}
     for r in records:
         x, y = r.inputs, r.outputs
-        key = (id(x.stacked), id(y.stacked)) if at_steps(r) else (id(r), 0)
+        key = (id(x.stacked), id(y.stacked)) if at_steps(r) else (id(r), 0)  # pyright: ignore[reportAttributeAccessIssue]
         uses.setdefault(key, []).append(r)
     return list(uses.values())
 
@@ -327,8 +327,8 @@ def every_step(batch: Sequence[LayerRecord]) -> bool:
     """Whether `batch` are the uses at every step of one scan (more than one)."""
     if len(batch) < 2 or not at_steps(batch[0]):
         return False
-    length = batch[0].outputs.stacked.aval.shape[0]  # pyright: ignore
-    return sorted(r.outputs.step for r in batch) == list(range(length))  # pyright: ignore
+    length = batch[0].outputs.stacked.aval.shape[0]  # pyright: ignore[reportAttributeAccessIssue]
+    return sorted(r.outputs.step for r in batch) == list(range(length))  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _steps_factors(
@@ -455,7 +455,7 @@ class LayerInputs(Sequence):
     def __len__(self) -> int:
         return len(self.layers)
 
-    def __getitem__(self, i):  # pyright: ignore
+    def __getitem__(self, i):
         a = self.layers[i].inputs
         return a.value if isinstance(a, Const) else self.values[a]
 
@@ -533,7 +533,7 @@ def per_example_taps(
         shapes.setdefault(id(point), set()).add(shape)
         if isinstance(r.inputs, PVar):
             means.setdefault(id(inputs), set()).add(mean)
-    return _agreed(shapes), _agreed(means)  # pyright: ignore
+    return _agreed(shapes), _agreed(means)  # pyright: ignore[reportReturnType]
 
 
 def layer_outputs_vjp(
