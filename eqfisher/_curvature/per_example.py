@@ -445,7 +445,8 @@ def shift_rows(
             # at once, then each step's taken by its parameters.
             one_step = functools.partial(_use_rows, first, layout, steps=False)
             per_step = jax.vmap(one_step, in_axes=(0, 1))(
-                inputs.values[first.inputs.stacked], cotangents[first.outputs.stacked]  # pyright: ignore[reportAttributeAccessIssue]
+                inputs.values[first.inputs.stacked],
+                cotangents[first.outputs.stacked],  # pyright: ignore[reportAttributeAccessIssue]
             )
             # Shaped as rows before a step is taken: the builder stacks the steps'
             # rows again (`Builder._run_blocks`), which XLA then reads as the same
