@@ -6,7 +6,7 @@ others, and cutting stacked parameters into scan units.
 import dataclasses
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -70,10 +70,12 @@ def flatten(jaxpr, consts: Sequence[Any], num_params: int) -> Program:
         PVar(v.aval, Origin(i) if i < num_params else None)
         for i, v in enumerate(jaxpr.invars)
     )
-    scope = {id(v): Const(c) for v, c in zip(jaxpr.constvars, consts)}
+    scope: dict[int, Atom] = {id(v): Const(c) for v, c in zip(jaxpr.constvars, consts)}
     scope.update({id(v): p for v, p in zip(jaxpr.invars, invars)})
     piece = _walk(jaxpr, scope, frozenset())
-    return Program(invars, piece.nodes, tuple(piece.outs), piece.units)
+    # A walk's outputs are atoms (only an equation's dropped outputs are None).
+    outvars = cast(tuple[Atom, ...], tuple(piece.outs))
+    return Program(invars, piece.nodes, outvars, piece.units)
 
 
 def _walk(
@@ -99,7 +101,7 @@ def _walk(
         for v, r in zip(eqn.outvars, piece.outs):
             if r is not None and not _compat.is_drop_var(v):
                 scope[id(v)] = r
-    outs = [_atom(scope, v) for v in jaxpr.outvars]
+    outs: list[Atom | None] = [_atom(scope, v) for v in jaxpr.outvars]
     return _Piece(outs, tuple(nodes), tuple(units))
 
 
@@ -141,7 +143,9 @@ def _inline(
     """Flattens a call's body applied to `atoms`; `origins` are given to its
     outputs."""
     inner, inner_consts = body
-    scope = {id(v): Const(c) for v, c in zip(inner.constvars, inner_consts)}
+    scope: dict[int, Atom] = {
+        id(v): Const(c) for v, c in zip(inner.constvars, inner_consts)
+    }
     scope.update({id(v): a for v, a in zip(inner.invars, atoms)})
     out_origins = {id(v): o for v, o in zip(inner.outvars, origins) if o is not None}
     return _walk(inner, scope, made, types.MappingProxyType(out_origins))
@@ -152,7 +156,7 @@ def _call(
 ) -> _Piece:
     """Flattens the jaxpr of `fn` applied to `atoms`."""
     if all(isinstance(a, Const) for a in atoms):
-        out = fn(*(a.value for a in atoms))
+        out = fn(*(a.value for a in atoms if isinstance(a, Const)))
         return _Piece([Const(x) for x in (out if isinstance(out, list) else [out])])
     specs = [
         jax.ShapeDtypeStruct(np.shape(a.value), np.result_type(a.value))
@@ -290,7 +294,8 @@ def _unroll(eqn, atoms: Sequence[Atom], made) -> _Piece:
     for step in steps:
         x = _slice_all(xs, step, made | _unit_keys(_units_of(pieces)))
         so_far = made | _unit_keys(_units_of(pieces) + x.units)
-        inlined = _inline(body, consts + carry + x.outs, so_far)
+        # A slice's and a walk's outputs are atoms (none dropped).
+        inlined = _inline(body, cast(list[Atom], consts + carry + x.outs), so_far)
         pieces += [x, inlined]
         carry, ys_steps[step] = inlined.outs[:n_carry], inlined.outs[n_carry:]
     for j, v in enumerate(eqn.outvars[n_carry:]):
@@ -300,7 +305,7 @@ def _unroll(eqn, atoms: Sequence[Atom], made) -> _Piece:
         parts = [ys_steps[t][j] for t in range(length)]
         pieces.append(_call(lambda *y: jnp.stack(y), parts, made))
     ys = [o for piece in pieces[2 * length :] for o in piece.outs]
-    return _Piece(carry + ys, _nodes_of(pieces), _units_of(pieces))
+    return _Piece([*carry, *ys], _nodes_of(pieces), _units_of(pieces))
 
 
 def _ungroup(eqn, atoms: Sequence[Atom], made) -> _Piece:
@@ -310,7 +315,8 @@ def _ungroup(eqn, atoms: Sequence[Atom], made) -> _Piece:
     pieces = []
     for group in range(eqn.outvars[0].aval.shape[0]):
         cut = _slice_all(atoms, group, made | _unit_keys(_units_of(pieces)))
-        tagged = _call(lambda *ops: layer_tag_p.bind(*ops, **params), cut.outs, made)
+        ops = cast(list[Atom], cut.outs)  # a slice's outputs are atoms (none dropped)
+        tagged = _call(lambda *o: layer_tag_p.bind(*o, **params), ops, made)
         pieces += [cut, tagged]
     parts = [o for piece in pieces[1::2] for o in piece.outs]
     stacked = _call(lambda *y: jnp.stack(y), parts, made)
