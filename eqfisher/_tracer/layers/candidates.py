@@ -9,7 +9,7 @@ import dataclasses
 import math
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from ... import _compat
 from ..analyses import axes
@@ -157,7 +157,7 @@ def _elementwise(node: Node, graph: Graph) -> Candidate | None:
             in_order=axes.location_axes(labels) + feat_axes,
             d_in=math.prod(graph.shapes[view.index]),
             weight_perm=None,
-            outputs=node.outs[0],
+            outputs=cast(PVar, node.outs[0]),  # a single output: not dropped
             out_labels=labels,
         )
     return None
@@ -249,7 +249,7 @@ def _declared(node: Node, graph: Graph) -> Candidate | None:
         in_order=tuple(range(x_rank)),
         d_in=_shape(x)[-1],
         weight_perm=perm,
-        outputs=node.outs[0],
+        outputs=cast(PVar, node.outs[0]),  # a single output: not dropped
         out_labels=output_labels(y_rank, (y_rank - 1,)),
     )
     return dataclasses.replace(declared, computes=_computing(graph, declared, y))
