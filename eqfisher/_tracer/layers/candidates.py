@@ -54,9 +54,9 @@ class Candidate:
 def _full_perm(view: View, axes: Sequence[int], rank: int) -> tuple[int, ...] | None:
     """Leaf axes in the order of view axes `axes`, if that is a permutation."""
     perm = tuple(view.labels[a] for a in axes)
-    if None in perm or sorted(perm) != list(range(rank)):  # pyright: ignore
+    if None in perm or sorted(perm) != list(range(rank)):  # pyright: ignore[reportArgumentType]
         return None
-    return perm  # pyright: ignore
+    return perm  # pyright: ignore[reportReturnType]
 
 
 def _shape(atom) -> tuple[int, ...]:
@@ -175,7 +175,7 @@ def _scale_features(view: View, p_shape, leaf_shape) -> tuple[int, ...] | None:
         ax for ax, n in enumerate(p_shape) if view.labels[ax] is not None and n != 1
     )
     leaf_axes = [view.labels[ax] for ax in feat_axes]
-    if leaf_axes != sorted(leaf_axes):  # pyright: ignore
+    if leaf_axes != sorted(leaf_axes):  # pyright: ignore[reportArgumentType]
         return None
     if math.prod(p_shape[ax] for ax in feat_axes) != leaf_size:
         return None
