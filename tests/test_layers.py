@@ -219,7 +219,7 @@ def test_records_of_transformer():
     entry = BY_NAME["transformer"]
     model, batch = entry.build()
     records = trace(entry.loss_fn, split(model, batch)).layers
-    kinds = {r.name: (r.kind, r.d_in, r.d_out) for r in records}
+    kinds = {r.name: (r.kind.name, r.d_in, r.d_out) for r in records}
     assert kinds == {
         "embed": ("embedding", 11, 8),
         "attn.query_proj": ("dense", 8, 8),

@@ -212,7 +212,7 @@ def _taps(model, batch):
     records = processed.layers
     # As `curvature` asks with KFAC("reduce"): the LayerNorms' diagonals need
     # every location.
-    dense = [r for r in records if r.kind == "dense"]
+    dense = [r for r in records if r.kind.name == "dense"]
     return dense, per_example_taps(records, dense)
 
 

@@ -136,7 +136,7 @@ def _rebuilt_params_tangent(record: LayerRecord, d: ef.LayerData):
     cotangents, the way K-FAC factors them."""
     g = _matrix(d.outputs_tangent, record.out_order, record.d_out)
     leaves = []
-    if record.kind == "scale_and_shift":
+    if record.kind.name == "scale_and_shift":
         a = _matrix(d.inputs, record.in_order, record.d_in)
         for leaf, is_scale in zip(
             d.params, (record.core.name == "mul", False), strict=False
@@ -144,9 +144,9 @@ def _rebuilt_params_tangent(record: LayerRecord, d: ef.LayerData):
             grad = jnp.sum(a * g, 0) if is_scale else jnp.sum(g, 0)
             leaves.append(grad.reshape(leaf.shape))
         return tuple(leaves)
-    if record.kind == "dense":
+    if record.kind.name == "dense":
         a = _matrix(d.inputs, record.in_order, record.d_in)
-    elif record.kind == "embedding":
+    elif record.kind.name == "embedding":
         (c,) = record.in_order
         a = jax.nn.one_hot(d.inputs[..., c].reshape(-1), record.d_in, dtype=g.dtype)
     else:
@@ -191,7 +191,7 @@ def test_layer_vjp_zoo(entry: ZooEntry):
         assert len(rebuilt) == len(d.params_tangent)
         for r, ct in zip(rebuilt, d.params_tangent, strict=False):
             np.testing.assert_allclose(r, ct, rtol=1e-10, atol=1e-12)
-        kinds_checked.add(record.kind)
+        kinds_checked.add(record.kind.name)
     assert kinds_checked == {kind for _, kind, _ in entry.layers}
 
 

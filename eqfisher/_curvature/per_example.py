@@ -340,7 +340,7 @@ def _layout(record: LayerRecord, n: int, labels: dict | None) -> _Layout | None:
     axis is the labelled one; without, the one location axis of size `n` (the
     examples then need `examples_mismatch`)."""
     x, y = record.inputs, record.outputs
-    if record.kind != "scale_and_shift" or not isinstance(x, PVar):
+    if not record.kind.elementwise or not isinstance(x, PVar):
         return None
     shape = tuple(y.aval.shape[a] for a in record.out_order)
     if tuple(x.aval.shape[a] for a in record.in_order) != shape:

@@ -1,9 +1,11 @@
 """Curvature statistics: K-FAC factors from one forward and a stacked VJP (the
 exact per-example vectors are in `per_example.py`).
 
-Each layer kind has its input statistics as a type (`AbstractLayerInputs`), found
-from the kind by `layer_inputs`; `unsupported` says why a layer has none (a
-scale-and-shift layer's curvature is kept exact).
+Each layer kind (a type from the tracer: `DenseKind`, `ConvKind`, ...) has its
+input statistics as a type (`AbstractLayerInputs`), found from the kind by
+`layer_inputs`, a `functools.singledispatch` on the kind's type (the tracer does not
+import this module); `unsupported` says why a layer has none (a scale-and-shift
+layer's curvature is kept exact).
 """
 
 import abc
@@ -20,11 +22,15 @@ from jaxtyping import Array, Float
 from .. import _compat
 from .._config import current_config
 from .._tracer import (
+    AbstractLayerKind,
     Const,
-    LayerKind,
+    ConvKind,
+    DenseKind,
+    EmbeddingKind,
     LayerRecord,
     ProcessedTrace,
     PVar,
+    ScaleAndShiftKind,
     Split,
     StepVar,
     VarMap,
@@ -60,6 +66,27 @@ class AbstractLayerInputs(eqx.Module):
         mean row with `reduce_examples`); with `diagonal`, only the diagonal of
         Σ a aᵀ, as a vector."""
 
+    @abc.abstractmethod
+    def stacked(self, record: LayerRecord) -> LayerRecord | None:
+        """The record whose `moments` read the inputs of its uses at every step of
+        a kept scan at once, from the scan's stacked input `(steps, *input)` with
+        the step axis as one more location axis; None when they cannot."""
+
+    @abc.abstractmethod
+    def mean_axes(self, record: LayerRecord) -> tuple[int, ...] | None:
+        """The axes of the layer's input that each example's mean row averages
+        over ("reduce" weight sharing), or None when its rows cannot be averaged
+        before they are formed."""
+
+
+@functools.singledispatch
+def layer_inputs(kind: AbstractLayerKind) -> AbstractLayerInputs:
+    """The input statistics of a layer kind that has Kronecker factors."""
+    raise NotImplementedError(
+        f"No K-FAC input statistics for `{type(kind).__name__}`: register an "
+        "`AbstractLayerInputs` for it with `layer_inputs.register`."
+    )
+
 
 def _mean_rows(a: Array, reduce_examples: int | None) -> Array:
     if reduce_examples is None:
@@ -79,6 +106,21 @@ class _DenseInputs(AbstractLayerInputs):
     def moments(self, record, x, reduce_examples, dtype, diagonal):
         a = jnp.transpose(x, record.in_order).reshape(-1, record.d_in)
         return _moments_of(_mean_rows(a.astype(dtype), reduce_examples), diagonal)
+
+    def stacked(self, record):
+        order = (0,) + tuple(1 + i for i in record.in_order)
+        return dataclasses.replace(record, in_order=order)
+
+    def mean_axes(self, record):
+        # Every location axis but the first (the example axis).
+        shape = record.inputs.aval.shape
+        n = location_count(shape, record.in_order, record.d_in)
+        return tuple(sorted(record.in_order[1:n]))
+
+
+@layer_inputs.register(DenseKind)
+def _(kind: DenseKind) -> AbstractLayerInputs:
+    return _DenseInputs()
 
 
 def _patches(record: LayerRecord, x: Array) -> Array:
@@ -113,6 +155,18 @@ class _ConvInputs(AbstractLayerInputs):
         a = _patches(record, x).astype(dtype)
         return _moments_of(_mean_rows(a, reduce_examples), diagonal)
 
+    # Its rows are patches of each step's input, formed before any averaging.
+    def stacked(self, record):
+        return None
+
+    def mean_axes(self, record):
+        return None
+
+
+@layer_inputs.register(ConvKind)
+def _(kind: ConvKind) -> AbstractLayerInputs:
+    return _ConvInputs()
+
 
 class _EmbeddingInputs(AbstractLayerInputs):
     # A is diagonal (token frequencies), returned densely; its mean row is the
@@ -125,29 +179,36 @@ class _EmbeddingInputs(AbstractLayerInputs):
         counts = jnp.zeros((record.d_in,), dtype).at[ids].add(1)
         return counts if diagonal else jnp.diag(counts), counts, ids.shape[0]
 
+    # The row ids `x[..., c]` are read alike under any leading axes; ids are not
+    # averaged.
+    def stacked(self, record):
+        return record
 
-_INPUTS: dict[str, AbstractLayerInputs] = {
-    "dense": _DenseInputs(),
-    "conv": _ConvInputs(),
-    "embedding": _EmbeddingInputs(),
-}
-# Layer kinds whose curvature eqfisher keeps exact: they have no Kronecker factors.
-_NO_FACTORS = {
-    "scale_and_shift": "is a scale-and-shift layer, whose curvature eqfisher keeps "
-    "exact",
-}
+    def mean_axes(self, record):
+        return None
+
+
+@layer_inputs.register(EmbeddingKind)
+def _(kind: EmbeddingKind) -> AbstractLayerInputs:
+    return _EmbeddingInputs()
+
+
+@functools.singledispatch
+def _unsupported(kind: AbstractLayerKind, record: LayerRecord) -> str | None:
+    return layer_inputs(kind).unsupported(record)
+
+
+# A kind without input statistics: its curvature is kept exact (diagonal blocks).
+@_unsupported.register(ScaleAndShiftKind)
+def _(kind: ScaleAndShiftKind, record: LayerRecord) -> str:
+    return "is a scale-and-shift layer, whose curvature eqfisher keeps exact"
 
 
 def unsupported(record: LayerRecord) -> str | None:
-    """Why a layer has no Kronecker factors (a phrase after its name), or None."""
-    if record.kind in _NO_FACTORS:
-        return _NO_FACTORS[record.kind]
-    return layer_inputs(record.kind).unsupported(record)
-
-
-def layer_inputs(kind: LayerKind) -> AbstractLayerInputs:
-    """The input statistics of a layer kind that has Kronecker factors."""
-    return _INPUTS[kind]
+    """Why a layer has no Kronecker factors (a phrase after its name), or None.
+    A kind without input statistics (scale-and-shift) says why itself; for the
+    others, their input statistics say (a grouped convolution has none)."""
+    return _unsupported(record.kind, record)
 
 
 def output_matrix(record: LayerRecord, g: Array) -> Array:
@@ -259,10 +320,11 @@ def pooled_factors(
     parts = []
     for uses in scan_uses(records):
         first = uses[0]
-        if every_step(uses) and first.kind in _POOLED:
+        stacked = layer_inputs(first.kind).stacked(first) if every_step(uses) else None
+        if stacked is not None:
             x = inputs.values[first.inputs.stacked]  # pyright: ignore[reportAttributeAccessIssue]
             g = cotangents[first.outputs.stacked]  # pyright: ignore[reportAttributeAccessIssue]
-            parts.append(_steps_factors(first, x, g, *args))
+            parts.append(_steps_factors(stacked, x, g, *args))
             continue
         for r in uses:
             if steps_cache is not None and at_steps(r):
@@ -313,11 +375,6 @@ def _cached_step_factors(r, inputs, cotangents, args, steps_cache: dict):
     return a_all[r.outputs.step], g_all[r.outputs.step], n
 
 
-# The kinds whose input moments read a stacked input with the step axis as one
-# more location axis.
-_POOLED = frozenset({"dense", "embedding"})
-
-
 def at_steps(record: LayerRecord) -> bool:
     """Whether a record is one step's use inside a kept scan (input and output)."""
     return isinstance(record.inputs, StepVar) and isinstance(record.outputs, StepVar)
@@ -340,15 +397,13 @@ def _steps_factors(
     reduce_examples: int | None,
     max_factor_dim: int | None,
 ) -> tuple[Array, Array, int]:
-    """`kronecker_factors` of the uses at every step of a scan at once: `x` is
+    """`kronecker_factors` of the uses at every step of a scan at once: `record`
+    reads the stacked input (`AbstractLayerInputs.stacked`), `x` is
     `(steps, *input)` and `g_stack` `(k, steps, *output)`. The step axis is the
     first location axis; "reduce" then averages within each step and example."""
     steps = x.shape[0]
     g_flat = g_stack.reshape((-1,) + g_stack.shape[2:])
     g = _output_factor(record, g_flat, reduce_examples, max_factor_dim)
-    if record.kind == "dense":
-        order = (0,) + tuple(1 + i for i in record.in_order)
-        record = dataclasses.replace(record, in_order=order)
     reduce = None if reduce_examples is None else steps * reduce_examples
     a, n = _input_factor(record, x, with_bias, dtype, reduce, max_factor_dim)
     return a, g.astype(dtype), n
@@ -482,16 +537,6 @@ def _summed_shape(record: LayerRecord) -> tuple[int, ...]:
     return out
 
 
-def _mean_axes(record: LayerRecord) -> tuple[int, ...] | None:
-    """The axes of a dense layer's input that each example's mean row averages
-    over (every location axis but the first); None for other kinds."""
-    if record.kind != "dense":
-        return None
-    shape = record.inputs.aval.shape
-    n = location_count(shape, record.in_order, record.d_in)
-    return tuple(sorted(record.in_order[1:n]))
-
-
 def _agreed(points_of: dict[int, set]) -> dict[int, object]:
     """Each point's one wanted value, for the points whose records all agree on one
     that is not None."""
@@ -523,11 +568,11 @@ def per_example_taps(
         out, point = r.outputs.aval.dtype, _point(r.outputs)
         inputs = _point(r.inputs) if isinstance(r.inputs, PVar) else r.inputs
         key = (id(point), id(inputs), r.kind, r.out_order, r.in_order, r.d_out)
-        if key not in known:
-            summed = stat_dtype(out) == out
+        if id(r) in ok and key not in known:
+            summed, read = stat_dtype(out) == out, isinstance(r.inputs, PVar)
             known[key] = (
                 _summed_shape(r) if summed else None,
-                _mean_axes(r) if isinstance(r.inputs, PVar) else None,
+                layer_inputs(r.kind).mean_axes(r) if read else None,
             )
         shape, mean = known[key] if id(r) in ok else (None, None)
         shapes.setdefault(id(point), set()).add(shape)

@@ -45,9 +45,13 @@ from .capture import (
 from .declare import register_dense as register_dense
 from .layer_functions import find_layers as find_layers, layer_vjp as layer_vjp
 from .layers import (
+    AbstractLayerKind as AbstractLayerKind,
+    ConvKind as ConvKind,
+    DenseKind as DenseKind,
+    EmbeddingKind as EmbeddingKind,
     LayerInfo as LayerInfo,
-    LayerKind as LayerKind,
     LayerRecord as LayerRecord,
+    ScaleAndShiftKind as ScaleAndShiftKind,
     detect as detect,
 )
 from .loss_tags import (

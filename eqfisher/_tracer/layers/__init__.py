@@ -11,10 +11,11 @@ candidates cannot be a Kronecker-factored layer, and why) → `detect` (the kept
 layers as `LayerRecord`s in model order, and a reason for every parameter in none).
 
 `detect` is what the tracer calls (`capture.trace`); `LayerInfo` is what a user
-sees of a layer, `LayerRecord` what the curvature code reads.
+sees of a layer, `LayerRecord` what the curvature code reads. A layer's kind is a
+type (`kinds`: `AbstractLayerKind` and a final class per kind); `LayerInfo.kind` is
+its name.
 """
 
-from .candidates import LayerKind as LayerKind
 from .detect import (
     Detection as Detection,
     LayerInfo as LayerInfo,
@@ -22,3 +23,11 @@ from .detect import (
     detect as detect,
 )
 from .graph import sources as sources, unit_paths as unit_paths
+from .kinds import (
+    AbstractLayerKind as AbstractLayerKind,
+    ConvKind as ConvKind,
+    DenseKind as DenseKind,
+    EmbeddingKind as EmbeddingKind,
+    LayerKindName as LayerKindName,
+    ScaleAndShiftKind as ScaleAndShiftKind,
+)

@@ -1,8 +1,8 @@
 """Candidates, one per layer-shaped equation: layer detection's step after `graph`.
 
 One matcher per layer kind (dense, conv, scale-and-shift, embedding, a declared
-layer) turns an equation into a `Candidate`; `candidates` adds each one's bias and
-the shift-only layers.
+layer) turns an equation into a `Candidate` of its kind (a type from `kinds`);
+`candidates` adds each one's bias and the shift-only layers.
 """
 
 import dataclasses
@@ -17,14 +17,18 @@ from ..analyses.axes import Feature, OutputLabel, output_labels
 from ..declare import layer_tag_p
 from ..program import STRUCTURAL, Const, Node, PVar
 from .graph import Graph, View
-
-
-LayerKind = Literal["dense", "conv", "scale_and_shift", "embedding"]
+from .kinds import (
+    AbstractLayerKind,
+    ConvKind,
+    DenseKind,
+    EmbeddingKind,
+    ScaleAndShiftKind,
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Candidate:
-    kind: LayerKind
+    kind: AbstractLayerKind
     core: Node
     weight: View | None
     bias: View | None
@@ -94,7 +98,7 @@ def _dense(node: Node, graph: Graph) -> Candidate | None:
         d_in = math.prod(x_shape[a] for a in xc)
         in_order = tuple(x_free) + tuple(xc)
         return _core_candidate(
-            "dense", node, view, x_atom, labels, in_order, perm, d_in
+            DenseKind(), node, view, x_atom, labels, in_order, perm, d_in
         )
     return None
 
@@ -129,7 +133,7 @@ def _conv(node: Node, graph: Graph) -> Candidate | None:
     labels = output_labels(len(out_spec), (out_spec[1],))
     k_shape = _shape(rhs)
     d_in = math.prod(k_shape[a] for a in rhs_spec[1:])
-    return _core_candidate("conv", node, view, lhs, labels, (), perm, d_in)
+    return _core_candidate(ConvKind(), node, view, lhs, labels, (), perm, d_in)
 
 
 def _elementwise(node: Node, graph: Graph) -> Candidate | None:
@@ -149,7 +153,7 @@ def _elementwise(node: Node, graph: Graph) -> Candidate | None:
         labels = output_labels(len(out_shape), feat_axes)
         is_scale = node.name == "mul"
         return Candidate(
-            kind="scale_and_shift",
+            kind=ScaleAndShiftKind(),
             core=node,
             weight=view if is_scale else None,
             bias=None if is_scale else view,
@@ -205,7 +209,7 @@ def _embedding(node: Node, graph: Graph) -> Candidate | None:
     )
     start_map = tuple(dn.start_index_map)
     return _core_candidate(
-        "embedding", node, view, indices, labels, (start_map.index(0),), perm,
+        EmbeddingKind(), node, view, indices, labels, (start_map.index(0),), perm,
         _shape(table)[0],
     )  # fmt: skip
 
@@ -241,7 +245,7 @@ def _declared(node: Node, graph: Graph) -> Candidate | None:
         return None
     y_rank, x_rank = len(_shape(y)), len(_shape(x))
     declared = Candidate(
-        kind="dense",
+        kind=DenseKind(),
         core=node,
         weight=view,
         bias=bias,
@@ -309,7 +313,7 @@ def _with_bias(cand: Candidate, graph: Graph) -> Candidate:
     var, labels, chain = cand.outputs, cand.out_labels, ()
     while len(users := graph.consumers.get(id(var), [])) == 1:
         (user,) = users
-        if user.name == "add" and cand.kind != "embedding":
+        if user.name == "add" and cand.kind.takes_bias:
             bias = _bias_of(cand, user, var, labels, graph)
             if bias is None:
                 return cand

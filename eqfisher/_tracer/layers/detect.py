@@ -23,8 +23,9 @@ import equinox as eqx
 from ..._config import current_config
 from ..analyses import axes
 from ..program import SYMBOLIC, Node, Program, PVar, ScanNode, scan_nodes, symbolic
-from .candidates import Candidate, LayerKind, candidates
+from .candidates import Candidate, candidates
 from .graph import Graph, sources, unit_paths
+from .kinds import AbstractLayerKind, LayerKindName
 from .verdict import Verdict, judge
 
 
@@ -57,7 +58,7 @@ class LayerInfo(eqx.Module):
     """
 
     name: str = eqx.field(static=True)
-    kind: LayerKind = eqx.field(static=True)
+    kind: LayerKindName = eqx.field(static=True)
     param_paths: tuple[str, ...] = eqx.field(static=True)
     uses: int = eqx.field(static=True, default=1)
 
@@ -66,8 +67,9 @@ class LayerInfo(eqx.Module):
 class LayerRecord:
     """Everything the curvature code needs to know about one detected layer.
 
-    `inputs`/`outputs` are program variables: the activation (or the indices of an
-    embedding) and the output that is perturbed to read output cotangents.
+    `kind` is the layer's kind as a type (`kinds`; its `name` is what `LayerInfo`
+    says). `inputs`/`outputs` are program variables: the activation (or the indices
+    of an embedding) and the output that is perturbed to read output cotangents.
     `in_order` orders the input axes as (locations..., contracted...), `out_order`
     the output axes as (locations..., features...); reshaping after these transposes
     gives the `(locations, d_in)` and `(locations, d_out)` matrices K-FAC uses.
@@ -80,7 +82,7 @@ class LayerRecord:
     """
 
     name: str
-    kind: LayerKind
+    kind: AbstractLayerKind
     param_paths: tuple[str, ...]
     param_indices: tuple[int, ...]
     inputs: Any
@@ -96,7 +98,7 @@ class LayerRecord:
     def info(self) -> LayerInfo:
         """What `find_layers` reports of it. Built on demand: a scanned layer has a
         record per step, and an `eqx.Module` per record costs tracing time."""
-        return LayerInfo(self.name, self.kind, self.param_paths)
+        return LayerInfo(self.name, self.kind.name, self.param_paths)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,7 +62,7 @@ def _tie_compatible(users: Sequence[Candidate]) -> bool:
         )
 
     first = key(users[0])
-    return first[0] in ("dense", "conv") and all(key(c) == first for c in users)
+    return users[0].kind.tieable and all(key(c) == first for c in users)
 
 
 def _outside_uses(cands, tied, graph: Graph, verdict: Verdict) -> Verdict:
@@ -78,7 +78,8 @@ def _outside_uses(cands, tied, graph: Graph, verdict: Verdict) -> Verdict:
             outside = [u for u in users if id(u) not in own and graph.reaches_loss(u)]
             if outside:
                 reason = (
-                    f"also used outside its {cand.kind} layer (by `{outside[-1].name}`)"
+                    f"also used outside its {cand.kind.name} layer "
+                    f"(by `{outside[-1].name}`)"
                 )
                 verdict = verdict.drop([cand], {view.index: reason})
     return verdict
@@ -125,8 +126,8 @@ def _partner_reasons(cands, graph: Graph, verdict: Verdict) -> Verdict:
             others = [i for i in cand.indices if i in reasons]
             if index not in reasons and others:
                 reasons[index] = (
-                    f"in a {cand.kind} layer with `{graph.paths[others[0]]}`, which "
-                    "is unmatched"
+                    f"in a {cand.kind.name} layer with `{graph.paths[others[0]]}`, "
+                    "which is unmatched"
                 )
     return verdict.drop([], reasons)
 
