@@ -191,12 +191,10 @@ def _statistics_size(model, batch, loss_fn) -> int:
     def statistics(model, batch):
         s = split(model, batch)
         processed = traced.trace(s)
-        _, vjp, (losses, inputs), _ = layer_outputs_vjp(
-            processed, s, processed.layers, full=False
-        )
-        vectors = tuple(jnp.ones((2,) + loss.inputs.shape, F64) for loss in losses)
-        _, cotangents = jax.vmap(vjp)(vectors)
-        return cotangents.values, inputs.values.values
+        lin = layer_outputs_vjp(processed, s, processed.layers, full=False)
+        vectors = tuple(jnp.ones((2,) + x.inputs.shape, F64) for x in lin.losses)
+        _, cotangents = jax.vmap(lin.vjp)(vectors)
+        return cotangents.values, lin.layer_inputs.values.values
 
     return _count(jax.make_jaxpr(statistics)(model, batch).jaxpr)
 
@@ -224,14 +222,13 @@ def test_pooled_factors_of_a_shared_cell_equal_the_per_step_sum(reduce, max_fact
     processed = traced.trace(s)
     cell = [r for r in processed.layers if r.name == "cell"]
     assert len(cell) == 8
-    _, vjp, (losses, inputs), _ = layer_outputs_vjp(
-        processed, s, processed.layers, full=False
-    )
+    lin = layer_outputs_vjp(processed, s, processed.layers, full=False)
+    inputs = lin.layer_inputs
     vectors = tuple(
         jax.random.normal(jax.random.key(5), (3,) + loss.inputs.shape, F64)
-        for loss in losses
+        for loss in lin.losses
     )
-    _, cotangents = jax.vmap(vjp)(vectors)
+    _, cotangents = jax.vmap(lin.vjp)(vectors)
     options = dict(reduce_examples=reduce, max_factor_dim=max_factor_dim)
     a, g = stats.pooled_factors(cell, inputs, cotangents, True, F64, **options)
     parts = [

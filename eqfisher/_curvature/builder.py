@@ -1,6 +1,13 @@
 """The builder shared by `curvature` and `value_grad_and_curvature`: checks the
 arguments, selects the parameters, groups them as the structure asks, computes each
-group's statistics and assembles the blocks into a `Curvature`."""
+group's statistics and assembles the blocks into a `Curvature`.
+
+`Builder.__call__` runs it as phases: the grouping (`_grouping`), the main pass
+(`_main_pass`: one forward and VJP of the whole batch, whose products it keeps in
+a `MainPass`), the per-example vectors (`_rows`, asked of the `examples` option),
+the blocks (`_blocks`, from each group's `_statistics`) and the `Curvature`
+(`_assemble`).
+"""
 
 import equinox as eqx
 import jax
@@ -8,22 +15,13 @@ import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from .. import filters
-from .._tracer import Traced, proven_labels, split, stops_mixed_gradients
+from .._tracer import Traced, split
 from ..blocks import AbstractBlock
 from . import statistics as stats
 from .estimators import AbstractEstimator, loss_vectors, stacked_vectors
-from .examples import AbstractExamples, IndependentExamples, InteractingExamples
+from .examples import AbstractExamples, IndependentExamples
+from .main_pass import MainPass, MainPassRows
 from .operator import Curvature, step_runs
-from .per_example import (
-    INTERACTION,
-    example_count,
-    examples_mismatch,
-    main_pass_rows_possible,
-    one_example,
-    per_example_vectors,
-    probe,
-    shift_rows,
-)
 from .structures import (
     AbstractStructure,
     Group,
@@ -124,59 +122,74 @@ class Builder(eqx.Module):
     caller: str = eqx.field(static=True)
     examples: AbstractExamples = INDEPENDENT
 
-    def __call__(self, model, batch, key, *, full: bool, cotangent_fn=None):
+    def __call__(
+        self, model, batch, key, *, full: bool, cotangent_fn=None
+    ) -> tuple[Curvature, MainPass]:
+        """The curvature, and the main pass's `MainPass` (with `full`, its
+        `program_outputs` and `grads` for the value and the gradient, the
+        gradient's cotangents from `cotangent_fn(program_outputs)`)."""
         selected = _select(model, self.where, self.caller)
         s = split(model, batch)
         processed = self.traced.trace(s)
         grouping, needs = self._grouping(processed, selected, model)
-        shifts, n_examples, labels = self._main_pass_rows(
-            processed, s, batch, grouping, needs
+        main = self._main_pass(
+            model, batch, s, processed, grouping, needs, key, full, cotangent_fn
         )
-        records = [r for g, n in zip(grouping, needs) if n.kronecker for r in g.records]
-        records += [r for g in shifts for r in g.records]
-        outputs, vjp, (losses, inputs), grad_vjp = stats.layer_outputs_vjp(
-            processed, s, records, full=full, per_example=_summed(grouping, needs)
-        )
-        _check_examples(losses, self.caller)
-        per_loss = loss_vectors(self.estimator, losses, key)
-        vectors = stacked_vectors(per_loss)
-        grads = None
-        if full:
-            # The gradient and the curvature vectors are pulled back separately:
-            # batching them would also compute K unused weight gradients, which
-            # XLA cannot remove from a batched product.
-            (grads,) = grad_vjp(cotangent_fn(outputs[0]))
-        _, point_ct = _pull_each(vjp, vectors)
-        if self.estimator.splits_positions and any(v.ndim > 3 for v in per_loss):
-            shifts = []  # an example's vectors are not its part of the batch's
-        rows = self._rows(
-            model,
-            batch,
-            processed,
-            losses,
-            per_loss,
-            vjp,
-            grouping,
-            needs,
-            (shifts, n_examples, labels, s, inputs, point_ct),
-        )
+        rows = self._rows(main, grouping, needs)
         steps_cache = {}
 
         def statistics(j):
-            return self._statistics(
-                grouping[j],
-                needs[j],
-                processed,
-                s,
-                (inputs, point_ct, steps_cache),
-                rows,
-                losses[0].inputs.shape[0],
-            )
+            return self._statistics(grouping[j], needs[j], main, rows, steps_cache)
 
         blocks = self._blocks(grouping, needs, processed, statistics)
         params = eqx.filter(model, eqx.is_inexact_array)
         curv = _assemble(params, blocks, grouping, processed, selected)
-        return curv, outputs, grads, s
+        return curv, main
+
+    def _main_pass(
+        self, model, batch, s, processed, grouping, needs, key, full, cotangent_fn
+    ) -> MainPass:
+        """One forward of the whole batch and its VJP: the layers' inputs and the
+        output cotangents of the estimator's vectors, for the Kronecker factors and
+        the per-example vectors the `examples` option takes from this pass (and,
+        with `full`, the gradient)."""
+        main_rows = self.examples.main_pass_rows(
+            processed,
+            s,
+            batch,
+            [g for g, n in zip(grouping, needs) if n.examples and g.records],
+        )
+        records = [r for g, n in zip(grouping, needs) if n.kronecker for r in g.records]
+        records += [r for g in main_rows.groups for r in g.records]
+        lin = stats.layer_outputs_vjp(
+            processed, s, records, full=full, per_example=_summed(grouping, needs)
+        )
+        _check_examples(lin.losses, self.caller)
+        per_loss = loss_vectors(self.estimator, lin.losses, key)
+        grads = None
+        if lin.grad_vjp is not None:  # with `full`
+            # The gradient and the curvature vectors are pulled back separately:
+            # batching them would also compute K unused weight gradients, which
+            # XLA cannot remove from a batched product.
+            (grads,) = lin.grad_vjp(cotangent_fn(lin.program_outputs))
+        _, cotangents = _pull_each(lin.vjp, stacked_vectors(per_loss))
+        if self.estimator.splits_positions and any(v.ndim > 3 for v in per_loss):
+            # An example's vectors are not its part of the batch's.
+            main_rows = MainPassRows((), main_rows.n_examples, main_rows.labels)
+        return MainPass(
+            model=model,
+            batch=batch,
+            split=s,
+            processed=processed,
+            program_outputs=lin.program_outputs,
+            losses=lin.losses,
+            vjp=lin.vjp,
+            layer_inputs=lin.layer_inputs,
+            per_loss=tuple(per_loss),
+            cotangents=cotangents,
+            grads=grads,
+            main_rows=main_rows,
+        )
 
     def _blocks(self, grouping, needs, processed, statistics) -> dict:
         """Each group's block by name: a stacked layer's steps through one `vmap`
@@ -210,20 +223,24 @@ class Builder(eqx.Module):
         grouping = sorted(grouping, key=lambda g: min(g.units))
         return grouping, [_needs(self.structure, g, self.caller) for g in grouping]
 
-    def _statistics(self, g, n, processed, s, pulled, rows, batch_size) -> Statistics:
-        """One group's `Statistics`: Kronecker factors from the layers' inputs and
-        output cotangents `pulled`, per-example vectors from `rows`, as it needs."""
-        dtype = stats.stat_dtype(processed.unit_shape(s.params, g.leaves[0])[1])
+    def _statistics(
+        self, g: Group, n: Needs, main: MainPass, rows, steps_cache: dict
+    ) -> Statistics:
+        """One group's `Statistics`: Kronecker factors from the main pass's layer
+        inputs and output cotangents, per-example vectors from `rows`, as it
+        needs."""
+        shape = main.processed.unit_shape(main.split.params, g.leaves[0])
+        dtype = stats.stat_dtype(shape[1])
         a = gg = None
         if n.kronecker:
-            reduce = _reduce_examples(self.structure, n, g, batch_size, self.caller)
+            size = main.losses[0].inputs.shape[0]
+            reduce = _reduce_examples(self.structure, n, g, size, self.caller)
             # Every step's use of a weight in a kept scan at once, from the
             # scan's stacked values: the work does not grow with the steps.
-            inputs, cotangents, steps_cache = pulled
             a, gg = stats.pooled_factors(
                 g.records,
-                inputs,
-                cotangents,
+                main.layer_inputs,
+                main.cotangents,
                 len(g.leaves) == 2,
                 dtype,
                 reduce_examples=reduce,
@@ -258,77 +275,15 @@ class Builder(eqx.Module):
             )
         return block
 
-    def _main_pass_rows(self, processed, s, batch, grouping, needs):
-        """`(groups, n, labels)`: the groups whose per-example rows can come from the
-        main pass (see `per_example.py`), scale-and-shift layers with independent
-        examples; the number of examples; and the labels of `example_axes` when
-        they prove the examples cannot interact (else None: a forward per example
-        then checks it)."""
-        groups = [g for g, nd in zip(grouping, needs) if nd.examples and g.records]
-        if not groups or not isinstance(self.examples, IndependentExamples):
-            return [], None, None
-        axis = self.examples.axis
-        n = example_count(batch, axis, self.caller)
-        if n is None:
-            return [], None, None
-        labels = proven_labels(processed.program, s, batch, axis, self.caller)
-        shifts = [g for g in groups if main_pass_rows_possible(g.records, n, labels)]
-        return shifts, n, labels
-
-    def _rows(
-        self, model, batch, processed, losses, per_loss, vjp, grouping, needs, main
-    ):
-        """Per parameter number, the exact per-example vectors `(m, *shape)`, for the
-        groups that need them: from the main pass where `main` (groups, number of
-        examples, labels, split, layer inputs, output cotangents) allows, else
-        from a pass per example."""
-        shifts, n_examples, labels, s, inputs, point_ct = main
+    def _rows(self, main: MainPass, grouping, needs) -> dict:
+        """Per parameter number, the exact per-example vectors `(m, *shape)` of the
+        groups that need them, as the `examples` option computes them."""
         parts = sorted(
             {i for g, n in zip(grouping, needs) if n.examples for i in g.leaves}
         )
         if not parts:
             return {}
-        if isinstance(self.examples, InteractingExamples):
-            full_vectors = stacked_vectors(
-                [self.estimator.batch_vectors(v, self.examples.axis) for v in per_loss]
-            )
-            p_ct, _ = jax.vmap(vjp)(full_vectors)
-            return _unit_rows(processed, parts, p_ct)
-        full_inputs = [loss.inputs for loss in losses]
-        shifted = {i for g in shifts for i in g.leaves}
-        rest = [i for i in parts if i not in shifted]
-        rows, mismatch = {}, None
-        if rest or labels is None:
-            one = one_example(
-                self.traced, model, batch, full_inputs, self.examples.axis
-            )
-            derivatives = stops_mixed_gradients(
-                processed.program, s, batch, self.examples.axis, self.caller
-            )
-            if rest:
-                leaves = sorted({processed.units[i][0] for i in rest})
-                vecs, mismatch = per_example_vectors(
-                    one,
-                    per_loss,
-                    full_inputs,
-                    lambda v: stacked_vectors(
-                        [self.estimator.example_vectors(x) for x in v]
-                    ),
-                    probe(processed, s, leaves, derivatives),
-                )
-                rows = _unit_rows(processed, rest, dict(zip(leaves, vecs)))
-            else:
-                leaves = sorted({processed.units[i][0] for i in parts})
-                along = probe(processed, s, leaves, derivatives)
-                mismatch = examples_mismatch(one, full_inputs, along)
-        if shifts:
-            shapes = {i: processed.unit_shape(s.params, i)[0] for i in shifted}
-            records = [r for g in shifts for r in g.records]
-            rows |= shift_rows(records, inputs, point_ct, n_examples, shapes, labels)
-        if mismatch is None:  # proven at trace time (`example_axes`)
-            return rows
-        message = f"`{self.caller}`: {INTERACTION}"
-        return {i: eqx.error_if(x, mismatch, message) for i, x in rows.items()}
+        return self.examples.rows(self.traced, self.estimator, main, parts)
 
 
 def _check_examples(losses, caller: str) -> None:
@@ -379,15 +334,6 @@ def _summed(grouping, needs) -> list:
         if n.kronecker and n.weight_sharing == "reduce"
         for r in g.records
     ]
-
-
-def _unit_rows(processed, parts, by_leaf) -> dict:
-    """Each parameter number's rows, from rows of whole leaves `by_leaf[leaf]`."""
-    rows = {}
-    for i in parts:
-        leaf, index = processed.units[i]
-        rows[i] = by_leaf[leaf][(slice(None),) + index]
-    return rows
 
 
 def _needs(structure: AbstractStructure, g: Group, caller: str) -> Needs:

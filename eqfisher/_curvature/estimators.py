@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._tracer import RegisteredLoss
-from .examples import split_along
 
 
 # To pyright, `AbstractClassVar` is `typing.ClassVar`, as equinox makes it; the alias
@@ -112,6 +112,22 @@ class AbstractEstimator(eqx.Module):
         self, vectors: Float[Array, "k *leading out"], axis: int
     ) -> Float[Array, "kk *leading out"]:
         """The vectors whose full-batch pullbacks give the exact curvature."""
+
+
+def split_along(v: Array, axes: tuple[int, ...]) -> Array:
+    """`(k, *leading, out)` vectors → `(P·k, *leading, out)`, P the number of index
+    combinations along the given leading `axes`, each new vector nonzero at one
+    combination only."""
+    axes = tuple(1 + a for a in axes)
+    rest = [a for a in range(1, v.ndim) if a not in axes]
+    moved = jnp.transpose(v, (0,) + axes + tuple(rest))
+    k = v.shape[0]
+    p = math.prod(v.shape[a] for a in axes)
+    flat = moved.reshape((k, p, -1))
+    out = jnp.einsum("kqr,pq->pkqr", flat, jnp.eye(p, dtype=v.dtype))
+    out = out.reshape((p * k,) + moved.shape[1:])
+    perm = (0,) + axes + tuple(rest)
+    return jnp.transpose(out, tuple(int(i) for i in np.argsort(perm)))
 
 
 def split_positions(vectors: Array) -> Array:

@@ -1,14 +1,36 @@
 """How the examples of a batch relate inside `loss_fn`: a typed option of `curvature`
 and `value_grad_and_curvature`, for the structures that need per-example vectors
 (`Dense`, `BlockDiagonal`, `Diagonal`, EKFAC's scales, K-FAC's exact diagonal
-blocks)."""
+blocks). Each kind computes those vectors its own way (`rows`), and says which
+of them the main pass can give (`main_pass_rows`)."""
 
-import math
+import abc
+from collections.abc import Sequence
 
 import equinox as eqx
-import jax.numpy as jnp
-import numpy as np
+import jax
 from jaxtyping import Array, PyTree
+
+from .._tracer import (
+    ProcessedTrace,
+    Split,
+    Traced,
+    proven_labels,
+    stops_mixed_gradients,
+)
+from .estimators import AbstractEstimator, stacked_vectors
+from .main_pass import MainPass, MainPassRows
+from .per_example import (
+    INTERACTION,
+    example_count,
+    examples_mismatch,
+    main_pass_rows_possible,
+    one_example,
+    per_example_vectors,
+    probe,
+    shift_rows,
+)
+from .structures import Group
 
 
 class AbstractExamples(eqx.Module):
@@ -37,7 +59,58 @@ class AbstractExamples(eqx.Module):
         interacting = exact_diagonal(ef.InteractingExamples())
         assert jnp.allclose(independent, interacting, atol=1e-6)
         ```
+
+    eqfisher asks an examples kind two things, through the methods below: which
+    groups' per-example vectors the main pass (one forward and VJP of the whole
+    batch) gives, before it runs; and, after it, the per-example vectors.
     """
+
+    @abc.abstractmethod
+    def main_pass_rows(
+        self,
+        processed: ProcessedTrace,
+        s: Split,
+        batch: PyTree,
+        groups: Sequence[Group],
+    ) -> MainPassRows:
+        """Which of `groups` take their exact per-example vectors from the main pass.
+
+        **Arguments:**
+
+        - `processed`: the trace of `loss_fn` on the model and `batch`.
+        - `s`: the model and `batch`, split into leaves.
+        - `batch`: the batch.
+        - `groups`: the groups with layers whose blocks need per-example vectors.
+
+        **Returns:**
+
+        A `MainPassRows`: those groups (none when the examples may interact), with
+        the number of examples and the proof that they do not interact, where
+        known.
+        """
+
+    @abc.abstractmethod
+    def rows(
+        self,
+        traced: Traced,
+        estimator: AbstractEstimator,
+        main: MainPass,
+        parts: Sequence[int],
+    ) -> dict[int, Array]:
+        """The exact per-example vectors of the parameters `parts`.
+
+        **Arguments:**
+
+        - `traced`: `loss_fn`, with its traces (for a pass per example).
+        - `estimator`: the estimator, whose output vectors are pulled back.
+        - `main`: what the main pass gave, with its `MainPassRows`.
+        - `parts`: parameter numbers (`ProcessedTrace.units`).
+
+        **Returns:**
+
+        Per parameter number in `parts`, vectors `(m, *shape)` whose outer
+        products sum to the exact curvature over that parameter.
+        """
 
 
 class IndependentExamples(AbstractExamples):
@@ -84,6 +157,44 @@ class IndependentExamples(AbstractExamples):
     """
 
     axis: PyTree[int | None] = eqx.field(static=True, default=0)
+
+    def main_pass_rows(self, processed, s, batch, groups):
+        if not groups:
+            return MainPassRows()
+        caller = processed.caller
+        n = example_count(batch, self.axis, caller)
+        if n is None:
+            return MainPassRows()
+        labels = proven_labels(processed.program, s, batch, self.axis, caller)
+        shifts = [g for g in groups if main_pass_rows_possible(g.records, n, labels)]
+        return MainPassRows(tuple(shifts), n, labels)
+
+    def rows(self, traced, estimator, main, parts):
+        processed, s = main.processed, main.split
+        shifts = main.main_rows.groups
+        shifted = {i for g in shifts for i in g.leaves}
+        rest = [i for i in parts if i not in shifted]
+        rows, mismatch = {}, None
+        if rest or main.main_rows.labels is None:
+            rows, mismatch = _pass_per_example(
+                traced, estimator, self.axis, main, parts, rest
+            )
+        n = main.main_rows.n_examples  # known where there are groups
+        if shifts and n is not None:
+            shapes = {i: processed.unit_shape(s.params, i)[0] for i in shifted}
+            records = [r for g in shifts for r in g.records]
+            rows |= shift_rows(
+                records,
+                main.layer_inputs,
+                main.cotangents,
+                n,
+                shapes,
+                main.main_rows.labels,
+            )
+        if mismatch is None:  # proven at trace time (`example_axes`)
+            return rows
+        message = f"`{traced.caller}`: {INTERACTION}"
+        return {i: eqx.error_if(x, mismatch, message) for i, x in rows.items()}
 
 
 class InteractingExamples(AbstractExamples):
@@ -143,18 +254,47 @@ class InteractingExamples(AbstractExamples):
 
     axis: int = eqx.field(static=True, default=0)
 
+    def main_pass_rows(self, processed, s, batch, groups):
+        # An example's part of the batch's pullback holds the others' data too.
+        return MainPassRows()
 
-def split_along(v: Array, axes: tuple[int, ...]) -> Array:
-    """`(k, *leading, out)` vectors → `(P·k, *leading, out)`, P the number of index
-    combinations along the given leading `axes`, each new vector nonzero at one
-    combination only."""
-    axes = tuple(1 + a for a in axes)
-    rest = [a for a in range(1, v.ndim) if a not in axes]
-    moved = jnp.transpose(v, (0,) + axes + tuple(rest))
-    k = v.shape[0]
-    p = math.prod(v.shape[a] for a in axes)
-    flat = moved.reshape((k, p, -1))
-    out = jnp.einsum("kqr,pq->pkqr", flat, jnp.eye(p, dtype=v.dtype))
-    out = out.reshape((p * k,) + moved.shape[1:])
-    perm = (0,) + axes + tuple(rest)
-    return jnp.transpose(out, tuple(int(i) for i in np.argsort(perm)))
+    def rows(self, traced, estimator, main, parts):
+        full_vectors = stacked_vectors(
+            [estimator.batch_vectors(v, self.axis) for v in main.per_loss]
+        )
+        p_ct, _ = jax.vmap(main.vjp)(full_vectors)
+        return _unit_rows(main.processed, parts, p_ct)
+
+
+def _pass_per_example(traced, estimator, axis, main: MainPass, parts, rest):
+    """`(rows, mismatch)`: the per-example vectors of the parameters `rest` from a
+    pass per example, and the check that the examples do not interact (for all of
+    `parts`, whose other vectors come from the main pass)."""
+    processed, s = main.processed, main.split
+    full_inputs = [loss.inputs for loss in main.losses]
+    one = one_example(traced, main.model, main.batch, full_inputs, axis)
+    derivatives = stops_mixed_gradients(
+        processed.program, s, main.batch, axis, traced.caller
+    )
+    if not rest:
+        leaves = sorted({processed.units[i][0] for i in parts})
+        along = probe(processed, s, leaves, derivatives)
+        return {}, examples_mismatch(one, full_inputs, along)
+    leaves = sorted({processed.units[i][0] for i in rest})
+    vecs, mismatch = per_example_vectors(
+        one,
+        main.per_loss,
+        full_inputs,
+        lambda v: stacked_vectors([estimator.example_vectors(x) for x in v]),
+        probe(processed, s, leaves, derivatives),
+    )
+    return _unit_rows(processed, rest, dict(zip(leaves, vecs))), mismatch
+
+
+def _unit_rows(processed: ProcessedTrace, parts, by_leaf) -> dict[int, Array]:
+    """Each parameter number's rows, from rows of whole leaves `by_leaf[leaf]`."""
+    rows = {}
+    for i in parts:
+        leaf, index = processed.units[i]
+        rows[i] = by_leaf[leaf][(slice(None),) + index]
+    return rows

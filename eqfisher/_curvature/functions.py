@@ -168,11 +168,9 @@ def value_grad_and_curvature(
     def compiled(model, batch, key, config: Config):
         del config  # static: see `_curvature_jit`
         builder = Builder(traced, estimator, structure, where, caller, examples)
-        curv, outputs, grads, _ = builder(
-            model, batch, key, full=True, cotangent_fn=cotangent_fn
-        )
-        value = _value(loss_fn, model, batch, outputs[0], has_aux)
-        return value, _like_params(model, grads), curv
+        curv, main = builder(model, batch, key, full=True, cotangent_fn=cotangent_fn)
+        value = _value(loss_fn, model, batch, main.program_outputs, has_aux)
+        return value, _like_params(model, main.grads), curv
 
     return fn
 

@@ -12,12 +12,12 @@ import abc
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, PyTree
 
 from .. import _compat
 from .._config import current_config
@@ -30,6 +30,7 @@ from .._tracer import (
     LayerRecord,
     ProcessedTrace,
     PVar,
+    RegisteredLoss,
     ScaleAndShiftKind,
     Split,
     StepVar,
@@ -581,6 +582,30 @@ def per_example_taps(
     return _agreed(shapes), _agreed(means)  # pyright: ignore[reportReturnType]
 
 
+class LayerOutputsVjp(eqx.Module):
+    """What `layer_outputs_vjp` gives: one forward of the whole batch and its VJP.
+
+    **Fields:**
+
+    - `loss_inputs`: the registered losses' inputs, one array per loss.
+    - `program_outputs`: the outputs of `loss_fn`'s program (with `full`; else
+      None).
+    - `losses`: the registered losses.
+    - `layer_inputs`: the layers' inputs, as `LayerInputs`.
+    - `vjp`: pulls cotangents of `loss_inputs` back, to `(parameter cotangents,
+      layer-output cotangents)`: the latter a `VarMap` over the layers' outputs.
+    - `grad_vjp`: pulls cotangents of `program_outputs` back, to a 1-tuple of
+      parameter cotangents (with `full`; else None).
+    """
+
+    loss_inputs: tuple[Array, ...]
+    program_outputs: PyTree | None
+    losses: tuple[RegisteredLoss, ...]
+    layer_inputs: LayerInputs
+    vjp: Callable
+    grad_vjp: Callable | None
+
+
 def layer_outputs_vjp(
     processed: ProcessedTrace,
     s: Split,
@@ -588,16 +613,15 @@ def layer_outputs_vjp(
     *,
     full: bool,
     per_example: Sequence[LayerRecord] = (),
-):
+) -> LayerOutputsVjp:
     """One forward with zero perturbations on the layers' outputs, and its VJP.
 
-    Returns `(outputs, vjp_fn, (losses, layer_inputs), grad_fn)`: `outputs` are the
-    registered losses' inputs and `vjp_fn` pulls cotangents of them back. When
-    `full`, `outputs` is `(program outputs, loss inputs)` and `grad_fn` pulls back
-    cotangents of the program outputs (else it is None). Both pull back through the
-    one linearisation of one forward: a forward traced twice is merged by XLA only
-    outside loops, and a model applied with `lax.scan` would run twice. Each
-    puller gives the other's outputs a zero cotangent.
+    `LayerOutputsVjp.vjp` pulls cotangents of the registered losses' inputs back;
+    with `full`, the forward also gives the program's outputs and
+    `LayerOutputsVjp.grad_vjp` pulls cotangents of them back. Both pull back
+    through the one linearisation of one forward: a forward traced twice is merged
+    by XLA only outside loops, and a model applied with `lax.scan` would run twice.
+    Each puller gives the other's outputs a zero cotangent.
 
     The records in `per_example` need only each example's sum of output
     cotangents and mean input row (`per_example_taps`): their outputs' cotangents
@@ -637,17 +661,20 @@ def layer_outputs_vjp(
     (program_outputs, tags), pull, (losses, values) = jax.vjp(
         forward, s.params, zero, has_aux=True
     )
-    aux = (losses, LayerInputs(layers, VarMap(wanted, values)))
     no_outputs = jax.tree_util.tree_map(jnp.zeros_like, program_outputs)
 
     def vjp(tag_cotangents):
         return pull((no_outputs, tag_cotangents))
 
-    if not full:
-        return tags, vjp, aux, None
-    no_tags = jax.tree_util.tree_map(jnp.zeros_like, tags)
-
     def grad_vjp(output_cotangents):
+        no_tags = jax.tree_util.tree_map(jnp.zeros_like, tags)
         return pull((output_cotangents, no_tags))[:1]
 
-    return (program_outputs, tags), vjp, aux, grad_vjp
+    return LayerOutputsVjp(
+        loss_inputs=tags,
+        program_outputs=program_outputs,
+        losses=losses,
+        layer_inputs=LayerInputs(layers, VarMap(wanted, values)),
+        vjp=vjp,
+        grad_vjp=grad_vjp if full else None,
+    )

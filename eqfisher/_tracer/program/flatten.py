@@ -277,8 +277,9 @@ def _keep_scan(eqn, atoms: Sequence[Atom], made) -> _Piece | None:
                 origin = Origin(a.origin.leaf, (step,))  # pyright: ignore
                 var = node.step_var(v, step, origin)
                 units.append(Unit(var, origin.leaf, origin.index, a, ()))  # pyright: ignore
-    object.__setattr__(node, "symbolic", tuple(symbolic))
-    object.__setattr__(node, "units", tuple(units))
+    # The units' step variables come from the node (`ScanNode.step_var`), so the
+    # node with them is a copy, sharing its `stacks`.
+    node = dataclasses.replace(node, symbolic=tuple(symbolic), units=tuple(units))
     return _Piece(list(outs), (node,), tuple(units))
 
 
