@@ -179,7 +179,7 @@ def test_loss_tags_hvp_is_the_weighted_hessian():
     loss_fn = CASES["weighted_sum"][0]
     params = eqx.filter(model, eqx.is_inexact_array)
     v = jax.tree_util.tree_map(jnp.ones_like, params)
-    hv, losses = ef.loss_tags_hvp(loss_fn)(model, batch, v)
+    losses, hv = ef.loss_tags_hvp(loss_fn)(model, batch, v)
     ref = dense_hessian(lambda m: loss_fn(m, batch), model)
     flat_v, _ = jax.flatten_util.ravel_pytree(v)
     flat_hv, _ = jax.flatten_util.ravel_pytree(hv)

@@ -301,7 +301,7 @@ def test_loss_tags_hvp(entry: ZooEntry):
     model, batch = entry.build()
     params, static = _params(model)
     v = _tangent_like(params, 7)
-    hv, losses = ef.loss_tags_hvp(entry.loss_fn)(model, batch, v)
+    losses, hv = ef.loss_tags_hvp(entry.loss_fn)(model, batch, v)
     grad = jax.grad(lambda p: entry.loss_fn(eqx.combine(p, static), batch))
     _, expected = jax.jvp(grad, (params,), (v,))
     assert tree_allclose(hv, expected, rtol=1e-9, atol=1e-11)
@@ -325,7 +325,7 @@ def test_two_registered_losses():
     batch = (x, y, targets)
     params, static = _params(model)
     v = _tangent_like(params, 9)
-    hv, losses = ef.loss_tags_hvp(loss_fn)(model, batch, v)
+    losses, hv = ef.loss_tags_hvp(loss_fn)(model, batch, v)
     assert [type(loss.family) for loss in losses] == [
         ef.losses.Categorical,
         ef.losses.Gaussian,

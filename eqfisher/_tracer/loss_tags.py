@@ -79,9 +79,10 @@ def loss_tags_jvp(loss_fn: Callable) -> Callable:
 
 
 def loss_tags_hvp(loss_fn: Callable) -> Callable:
-    """`(model, batch, params_tangent) -> (H v, losses)`, with H the Hessian of the
+    """`(model, batch, params_tangent) -> (losses, H v)`, with H the Hessian of the
     registered losses' values weighted by their coefficients in the value `loss_fn`
-    returns, by forward-over-reverse differentiation.
+    returns, by forward-over-reverse differentiation. The losses come first, as in
+    `loss_tags_vjp` and `loss_tags_jvp` (and `jax.jvp`).
 
     !!! Example
 
@@ -89,7 +90,7 @@ def loss_tags_hvp(loss_fn: Callable) -> Callable:
         `loss_fn`:
 
         ```python
-        hv, losses = ef.loss_tags_hvp(loss_fn)(model, batch, grads)
+        losses, hv = ef.loss_tags_hvp(loss_fn)(model, batch, grads)
         grad_fn = lambda m: eqx.filter_grad(loss_fn)(m, batch)
         _, expected = eqx.filter_jvp(grad_fn, (model,), (grads,))
         for a, b in zip(jax.tree.leaves(hv), jax.tree.leaves(expected)):
@@ -111,6 +112,6 @@ def loss_tags_hvp(loss_fn: Callable) -> Callable:
         (_, losses), (hvp, _) = jax.jvp(
             jax.grad(total, has_aux=True), (s.params,), (t_leaves,)
         )
-        return _unflatten(s, hvp), losses
+        return losses, _unflatten(s, hvp)
 
     return transformed
