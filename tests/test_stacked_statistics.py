@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 import eqfisher as ef
+from eqfisher.blocks import kronecker
 from eqfisher.internal import Traced, per_example_taps, split
 
 from .helpers import dense_ggn_cross_entropy, perturbed
@@ -361,11 +362,14 @@ def test_map_blocks_inverts_a_stacked_layer_at_once(damping):
         np.testing.assert_allclose(got.as_matrix(), want.as_matrix(), atol=1e-10)
 
 
-def test_batched_pi_damped_inverse_falls_back_per_step():
-    """A stack of factors inverts by Cholesky; a step whose Cholesky fails (an
-    indefinite factor, as float32 rounding can leave) takes the clamped
-    eigendecomposition, the others keep theirs: as inverted one by one. The
-    inverse stays differentiable in the damping."""
+@pytest.mark.parametrize("eigh_max_dim", [0, 160], ids=["cholesky", "eigh"])
+def test_batched_pi_damped_inverse_falls_back_per_step(eigh_max_dim, monkeypatch):
+    """A stack of factors inverts by Cholesky (or, small factors, by their clamped
+    eigendecomposition); a step whose Cholesky fails (an indefinite factor, as
+    float32 rounding can leave) takes the clamped eigendecomposition, the others
+    keep theirs: as inverted one by one. The inverse stays differentiable in the
+    damping."""
+    monkeypatch.setattr(kronecker, "EIGH_MAX_DIM", eigh_max_dim)
     k = jr.normal(jr.key(0), (3, 4, 4), F64)
     a = k @ jnp.swapaxes(k, 1, 2)
     a = a.at[1].set(-jnp.eye(4, dtype=F64))

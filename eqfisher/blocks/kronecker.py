@@ -119,14 +119,39 @@ def _dense_shifted_inverses(axis_size, in_batched, factor, shift):
     return jax.lax.cond(jnp.all(ok), lambda: inv, fallback), True
 
 
+# Factors up to this size are inverted through their eigendecomposition: one LAPACK
+# call and no fallback, several times cheaper to compile than a Cholesky inverse with
+# its fallback and within a millisecond of it at run time (benchmarks/RESULTS.md,
+# "Compile time of a K-FAC step").
+EIGH_MAX_DIM = 160
+
+
+@jax.custom_jvp
+def _small_shifted_inverse(factor: Array, shift: Array) -> Array:
+    return _eigh_inverse(_clamped_eigh(factor), shift)
+
+
+@_small_shifted_inverse.defjvp
+def _small_shifted_inverse_jvp(primals, tangents):
+    # d(M⁻¹) = −M⁻¹ dM M⁻¹, with M = factor + shift·I: no derivative of `eigh`,
+    # which is undefined where eigenvalues repeat.
+    inverse = _small_shifted_inverse(*primals)
+    d_factor, d_shift = tangents
+    d_m = d_factor + d_shift * jnp.eye(inverse.shape[-1], dtype=inverse.dtype)
+    return inverse, -inverse @ d_m @ inverse
+
+
 def _shifted_inverse(factor: Factor, shift: Array, eig: Eigh | None) -> Factor:
     # (factor + shift·I)⁻¹ for a PSD factor and shift > 0: from the cached
-    # eigendecomposition when there is one, else by Cholesky, falling back to a
-    # clamped eigendecomposition when rounding makes Cholesky fail (float32).
+    # eigendecomposition when there is one; for a small factor, from its clamped
+    # eigendecomposition; else by Cholesky, falling back to the clamped
+    # eigendecomposition when rounding makes Cholesky fail (float32).
     if factor.ndim == 1:
         return 1 / (jnp.maximum(factor, 0) + shift)
     if eig is not None:
         return _eigh_inverse(eig, shift)
+    if factor.shape[0] <= EIGH_MAX_DIM:
+        return _small_shifted_inverse(factor, shift)
     return _dense_shifted_inverse(factor, shift)
 
 

@@ -25,12 +25,19 @@ def _invert(avg: Curvature, lam: Array, damping: AbstractDamping) -> Curvature:
     return avg.map_blocks(lambda b: damping.precompute(b, lam))
 
 
+def _zeros(tree: PyTree) -> PyTree:
+    return jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
+
+
 def initial_state(like: Curvature, lam: Array, damping: AbstractDamping) -> KFACState:
-    zeros = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), like)
     # `ema` drops cached eigendecompositions: the average has `ema`'s structure.
-    avg = zeros.ema(zeros, 0.0)
+    avg = jax.eval_shape(lambda c: c.ema(c, 0.0), like)
+    # The cached inverse's structure, without factorising anything: it is not used
+    # before the first finite estimate (`precondition` gives no step until then),
+    # and that estimate always refreshes it (`fold`).
+    inverse = jax.eval_shape(lambda c: _invert(c, lam, damping), avg)
     zero = jnp.zeros((), jnp.int32)
-    return KFACState(zero, zero, zero, zero, zero, avg, _invert(avg, lam, damping))
+    return KFACState(zero, zero, zero, zero, zero, _zeros(avg), _zeros(inverse))
 
 
 def fold(

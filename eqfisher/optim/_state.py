@@ -49,6 +49,8 @@ class KFACState(NamedTuple):
       before the first estimate).
     - `inverse`: a `Curvature` whose blocks are the damped inverses of the
       average's (see `Tikhonov`, `FactoredTikhonov`): its `mv` preconditions.
+      Zeros before the first finite estimate, which always refreshes it: `init`
+      factorises nothing.
 
     !!! Example
 
