@@ -334,7 +334,7 @@ def compile_times(problems, repeats: int = 3):
         idx, lr = jnp.arange(min(256, x.shape[0])), jnp.asarray(0.1, jnp.float32)
         sample = (x[idx], y[idx])
 
-        def value_and_grad(params, idx):
+        def value_and_grad(params, idx, static=static, loss_fn=loss_fn, x=x, y=y):
             model = eqx.combine(params, static)
             return eqx.filter_value_and_grad(loss_fn)(model, (x[idx], y[idx]))
 

@@ -155,6 +155,15 @@ def run_demo(steps: int, out: pathlib.Path, seed: int, batch_size: int = 256) ->
                 _train(name, model, opt, fn, train, steps, batch_size, seed, bar)
             )
 
+    summary = _report(runs, train, test)
+    _plot(runs, out)
+    print(f"\nwrote {out}")
+    return summary
+
+
+def _report(runs, train, test) -> dict:
+    """Prints each run's steps and seconds to the target, compile time and
+    accuracies; returns them by optimiser name."""
     header = (
         f"{'optimiser':<18}{'steps to loss ' + str(TARGET_LOSS):>20}{'seconds':>10}"
         f"{'compile s':>11}{'train acc':>11}{'test acc':>10}"
@@ -181,8 +190,6 @@ def run_demo(steps: int, out: pathlib.Path, seed: int, batch_size: int = 256) ->
         "\nseconds: the training steps to the target, steady state (after ten "
         "warm-up steps);\ncompile s: the first call of the step function, apart."
     )
-    _plot(runs, out)
-    print(f"\nwrote {out}")
     return summary
 
 

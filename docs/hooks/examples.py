@@ -243,15 +243,19 @@ def _example_page(path: pathlib.Path, run: Run) -> str:
 
 def _demo_page(run: Run) -> str:
     lines = [
-        "# The demo: K-FAC against Adam",
+        "# The demo: K-FAC against Adam and Muon",
         "",
         "`eqfisher demo` trains the same MLP (64-128-128-10, ReLU) on "
         "scikit-learn's digits data with K-FAC (`ef.optim.kfac_step`, Monte-Carlo "
-        "Fisher, every option but the learning rate at its default) and with "
-        "Adam, each at the best learning rate of the same grid "
-        "(`benchmarks/kfac_defaults.py`), and reports the steps and seconds "
-        "each needs to reach a training loss of 0.05. It is the README's first "
-        "command:",
+        "Fisher, every option but the learning rate at its default), with "
+        "Adam and with Muon (`optax.contrib.muon`), each at the best learning "
+        "rate of its grid (`benchmarks/kfac_defaults.py`), and reports the steps "
+        "and the steady-state seconds each needs to reach a training loss of "
+        "0.05, with the first call's compile time in a column of its own. "
+        "K-FAC takes the fewest steps; on a problem this small its steps cost "
+        "more than theirs, so in seconds it is level with them or behind, and "
+        "its step compiles several times longer (`benchmarks/RESULTS.md`, "
+        "\"Issue 26\"). It is the README's first command:",
         "",
         "```bash",
         'pip install -e ".[demo]" && eqfisher demo',
@@ -272,7 +276,7 @@ def _demo_page(run: Run) -> str:
             (run.folder / "stdout.txt").read_text().rstrip(),
             "```",
             "",
-            "![Training loss of K-FAC and Adam against steps and seconds]"
+            "![Training loss of K-FAC, Adam and Muon against steps and seconds]"
             "(demo/eqfisher-demo.png)",
             "",
         ]
