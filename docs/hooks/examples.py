@@ -255,7 +255,7 @@ def _demo_page(run: Run) -> str:
         "K-FAC takes the fewest steps; on a problem this small its steps cost "
         "more than theirs, so in seconds it is level with them or behind, and "
         "its step compiles several times longer (`benchmarks/RESULTS.md`, "
-        "\"Issue 26\"). It is the README's first command:",
+        '"Issue 26"). It is the README\'s first command:',
         "",
         "```bash",
         'pip install -e ".[demo]" && eqfisher demo',
