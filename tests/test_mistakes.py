@@ -58,7 +58,7 @@ def test_kfac_update_without_any_curvature_raises(make, jit):
     params = _params(model)
     update = eqx.filter_jit(opt.update) if jit else opt.update
     error = eqx.EquinoxRuntimeError if jit else ValueError
-    with pytest.raises(error, match=r"no `curvature=` given.*curvature=curv"):
+    with pytest.raises(error, match=r"no curvature estimate given.*curvature=curv"):
         update(grads, opt.init(params), params)
     # Once a curvature has been received, updates without one are the amortised
     # steps between estimates: they precondition with the cached inverse.

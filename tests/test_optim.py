@@ -497,6 +497,43 @@ def test_nonfinite_guard_keeps_parameters_finite_on_a_nan_batch(momentum):
     assert not _leaves_equal(params, before)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_curvature_due_false_is_the_update_without_curvature(jit):
+    # `curvature_due=False` marks `curvature=` as a placeholder (what kfac_step
+    # passes between estimates, so that the update is traced once): the update
+    # and the state are those of an update without curvature; True is an estimate.
+    model, batch = _problem()
+    _, grads, curv = VGC(model, batch)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    opt = optim.kfac(0.1, like=_like())
+    update = eqx.filter_jit(opt.update) if jit else opt.update
+    _, state = update(grads, opt.init(params), params, curvature=curv)
+    doubled = jax.tree.map(lambda x: 2 * x, curv)
+    zeros = jax.tree.map(jnp.zeros_like, curv)
+    want = update(grads, state, params)
+    got = update(
+        grads, state, params, curvature=zeros, curvature_due=jnp.asarray(False)
+    )
+    assert _leaves_equal(got, want)
+    due = update(
+        grads, state, params, curvature=doubled, curvature_due=jnp.asarray(True)
+    )
+    assert _leaves_equal(due, update(grads, state, params, curvature=doubled))
+    assert int(optim.find_kfac_state(due[1]).curvature_count) == 2
+    # A placeholder before any estimate has nothing to precondition with.
+    error = eqx.EquinoxRuntimeError if jit else ValueError
+    with pytest.raises(error, match="no curvature estimate given"):
+        update(
+            grads,
+            opt.init(params),
+            params,
+            curvature=zeros,
+            curvature_due=jnp.asarray(False),
+        )
+    with pytest.raises(ValueError, match="curvature_due=.*needs `curvature=`"):
+        opt.update(grads, state, params, curvature_due=jnp.asarray(True))
+
+
 def test_amortised_steps_reuse_the_cached_inverse():
     model, batch = _problem()
     opt = optim.kfac(0.1, like=_like(), inverse_every=1)

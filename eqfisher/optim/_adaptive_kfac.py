@@ -8,12 +8,11 @@ import optax
 
 from .._curvature import Curvature
 from ._damping import Tikhonov
-from ._kfac import fold, guard, initial_state, precondition
+from ._kfac import fold, guard, initial_state, precondition, receive
 from ._quadratic_model import AdaptiveState, adaptive_steps
 from ._state import (
     KFACState,
     check_preconditioner_args,
-    require_estimate,
 )
 
 
@@ -113,18 +112,29 @@ def kfac_adaptive(
         sstate = cast(AdaptiveState, steps.init(params))  # what adaptive_steps keeps
         return AdaptiveKFACState(initial_state(like, lam, exact), sstate)
 
-    def update(updates, state, params=None, *, curvature=None, quadratic=None, **extra):
+    def update(
+        updates,
+        state,
+        params=None,
+        *,
+        curvature=None,
+        curvature_due=None,
+        quadratic=None,
+        **extra,
+    ):
         del extra
         if weight_decay:
             updates = jax.tree_util.tree_map(
                 lambda g, p: g + weight_decay * p, updates, params
             )
-        kstate = state.kfac
-        if curvature is None:
-            updates = require_estimate(caller, updates, kstate)
-        else:
+
+        def fold_in(kstate, curvature, due):
             lam = state.steps.damping
-            kstate = fold(kstate, curvature, lam, decay, inverse_every, exact)
+            return fold(kstate, curvature, lam, decay, inverse_every, exact, due)
+
+        updates, kstate = receive(
+            caller, updates, state.kfac, curvature, curvature_due, fold_in
+        )
         direction, kstate = guard(precondition(updates, kstate), kstate)
         delta = jax.tree_util.tree_map(jnp.negative, direction)
         step, sstate = steps.update(

@@ -1,5 +1,7 @@
 """K-FAC as optax transformations: the preconditioner and the optimiser."""
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -47,8 +49,12 @@ def fold(
     decay: float,
     inverse_every: int,
     damping: AbstractDamping,
+    due: Array | None = None,
 ) -> KFACState:
-    """Averages `curvature` in and refreshes the cached inverse when due."""
+    """Averages `curvature` in and refreshes the cached inverse when due.
+
+    `due` (a traced bool, or None for True): whether `curvature` is an estimate;
+    where it is not, the state is unchanged (see `receive`)."""
     if jax.tree_util.tree_structure(curvature) != jax.tree_util.tree_structure(
         state.curvature
     ) or [jnp.shape(x) for x in jax.tree_util.tree_leaves(curvature)] != [
@@ -63,6 +69,9 @@ def fold(
             "function and model."
         )
     finite = all_finite(curvature)
+    rejected = ~finite
+    if due is not None:
+        finite, rejected = finite & due, rejected & due
     n_good = state.curvature_count + finite.astype(jnp.int32)
     # The time-varying decay makes this the bias-corrected average of each factor.
     t = n_good.astype(jnp.float32)
@@ -81,11 +90,35 @@ def fold(
     inverse = jax.lax.cond(refresh, refreshed, lambda: state.inverse)
     return state._replace(
         curvature_count=n_good,
-        nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
+        nonfinite_count=state.nonfinite_count + rejected.astype(jnp.int32),
         refresh_count=state.refresh_count + refresh.astype(jnp.int32),
         curvature=avg,
         inverse=inverse,
     )
+
+
+def receive(
+    caller: str,
+    updates: PyTree,
+    state: KFACState,
+    curvature: Curvature | None,
+    due: Array | None,
+    fold_in: Callable[[KFACState, Curvature, Array | None], KFACState],
+) -> tuple[PyTree, KFACState]:
+    """`(updates, state)` after an update's `curvature=` and `curvature_due=`:
+    `fold_in(state, curvature, due)` folds an estimate in; without one (no
+    `curvature`, or `due` False) the updates are checked to follow an estimate
+    (`require_estimate`)."""
+    if curvature is None:
+        if due is not None:
+            raise ValueError(
+                f"`eqfisher.optim.{caller}(...).update(..., curvature_due=...)` "
+                "needs `curvature=`: the placeholder curvature it qualifies."
+            )
+        return require_estimate(caller, updates, state), state
+    if due is not None:
+        updates = require_estimate(caller, updates, state, unless=due)
+    return updates, fold_in(state, curvature, due)
 
 
 def precondition(updates: PyTree, state: KFACState) -> PyTree:
@@ -167,7 +200,11 @@ def kfac_preconditioner(
     An `optax.GradientTransformationExtraArgs`. `update(grads, state, params,
     curvature=curv)` averages `curv` in and preconditions; `update(grads, state,
     params)` (no curvature) only preconditions with the cached inverse, for steps
-    between curvature estimates. A curvature holding NaN or inf is not averaged in
+    between curvature estimates. `update(grads, state, params, curvature=curv,
+    curvature_due=due)`, with `due` a boolean array, is the first where `due` is
+    true and the second (`curv` a placeholder, e.g. zeros) where it is false:
+    chosen inside jit without tracing the update twice, as `kfac_step` does. A
+    curvature holding NaN or inf is not averaged in
     (counted in `state.nonfinite_count`); a non-finite update is replaced by zero
     (counted in `state.skipped_count`).
 
@@ -247,13 +284,17 @@ def _preconditioner(
             like, damping_at(jnp.zeros((), jnp.int32)), damping_variant
         )
 
-    def update(updates, state, params=None, *, curvature=None, **extra):
+    def fold_in(state, curvature, due):
+        lam = damping_at(state.count)
+        return fold(state, curvature, lam, decay, inverse_every, damping_variant, due)
+
+    def update(
+        updates, state, params=None, *, curvature=None, curvature_due=None, **extra
+    ):
         del params, extra
-        if curvature is None:
-            updates = require_estimate(caller, updates, state)
-        else:
-            lam = damping_at(state.count)
-            state = fold(state, curvature, lam, decay, inverse_every, damping_variant)
+        updates, state = receive(
+            caller, updates, state, curvature, curvature_due, fold_in
+        )
         direction = precondition(updates, state)
         lr = value_at(learning_rate, state.count)
         direction = checked_at(caller, "learning_rate", lr, direction, allow_zero=True)

@@ -1,7 +1,5 @@
 """The K-FAC optimiser state, its defaults and shared checks."""
 
-import contextlib
-import contextvars
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -155,37 +153,25 @@ def checked_at(
     return carrier
 
 
-# Set while `kfac_step` traces its steps between curvature estimates, which are
-# never before the first (step 0 always computes one). Under `vmap` with a batched
-# step count, `lax.cond` runs both branches, and the check of `require_estimate` in
-# the branch not taken would fail at step 0.
-_BETWEEN_ESTIMATES = contextvars.ContextVar("between_estimates", default=False)
-
-
-@contextlib.contextmanager
-def between_estimates():
-    """Traces updates known to follow a curvature estimate (see `require_estimate`)."""
-    token = _BETWEEN_ESTIMATES.set(True)
-    try:
-        yield
-    finally:
-        _BETWEEN_ESTIMATES.reset(token)
-
-
-def require_estimate(caller: str, updates: PyTree, state: "KFACState") -> PyTree:
+def require_estimate(
+    caller: str, updates: PyTree, state: "KFACState", *, unless: Array | None = None
+) -> PyTree:
     """`updates`, after checking that a curvature estimate has been received: an
-    update without `curvature=` before any has nothing to precondition with."""
-    if _BETWEEN_ESTIMATES.get():
-        return updates
+    update without `curvature=` (or with `curvature_due` False) before any has
+    nothing to precondition with. `unless`: a traced bool that waives the check
+    (this update brings an estimate)."""
     message = (
         f"`eqfisher.optim.{caller}(...).update(grads, state, params)`: no "
-        "`curvature=` given, and none received before, so there is nothing to "
+        "curvature estimate given (no `curvature=`, or `curvature_due` False), and "
+        "none received before, so there is nothing to "
         "precondition with (the update would be zero). Pass "
         "`update(grads, state, params, curvature=curv)` with `curv` from "
         "`eqfisher.value_grad_and_curvature` at the first update (and whenever "
         "statistics are due), or train with `eqfisher.optim.kfac_step`."
     )
     none = state.curvature_count + state.nonfinite_count == 0
+    if unless is not None:
+        none = none & ~unless
     if isinstance(none, jax.core.Tracer):
         return eqx.error_if(updates, none, message)
     if bool(none):

@@ -5,16 +5,13 @@ from collections.abc import Callable
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import optax
-from jaxtyping import PyTree
+from jaxtyping import Array, PyTree
 
 from .. import _compat
 from .._curvature import AbstractEstimator, AbstractStructure, value_grad_and_curvature
-from ._state import (
-    between_estimates,
-    check_positive_int,
-    find_kfac_state,
-)
+from ._state import check_positive_int, find_kfac_state
 
 
 def _leading(batch: PyTree, size: int | None) -> PyTree:
@@ -24,13 +21,20 @@ def _leading(batch: PyTree, size: int | None) -> PyTree:
     return jax.tree_util.tree_map(lambda x: x[:size], batch)
 
 
-def _every(period: int, opt_state: PyTree, due: Callable, otherwise: Callable):
-    """`due()` at every `period`-th step (by the K-FAC state's count, chosen with
-    `lax.cond` inside jit), `otherwise()` at the others."""
+def _due(period: int, opt_state: PyTree) -> Array | None:
+    """Whether statistics are due at this step (every `period`-th, by the K-FAC
+    state's count; a traced bool), or None when they always are."""
     if period == 1:
-        return due()
-    count = find_kfac_state(opt_state).count
-    return jax.lax.cond(count % period == 0, due, otherwise)
+        return None
+    return find_kfac_state(opt_state).count % period == 0
+
+
+def _placeholder(vgc, model, batch, key) -> PyTree:
+    """Zeros in the shape of `vgc`'s curvature: what a step between estimates
+    passes as `curvature=` (with `curvature_due` False), so that the optimiser's
+    update is traced and compiled once, outside the choice of step."""
+    like = eqx.filter_eval_shape(vgc, model, batch, key=key)[2]
+    return jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), like)
 
 
 def _shares_forward(loss_fn, model, batch, period, curvature_batch_size) -> bool:
@@ -140,19 +144,22 @@ def _shared_forward_update(
     vgc, value_and_grad, optimiser, period, model, opt_state, batch, key
 ):
     """`(loss, updates, state)`: a statistics step takes its loss and gradient from
-    the statistics pass (one forward); the other steps from `value_and_grad`."""
+    the statistics pass (one forward); the other steps from `value_and_grad`. Only
+    these passes are chosen by `lax.cond`: the optimiser's update is outside it."""
     params = eqx.filter(model, eqx.is_inexact_array)
-
-    def statistics():
+    due = _due(period, opt_state)
+    if due is None:
         loss, grads, curv = vgc(model, batch, key=key)
-        return loss, *optimiser.update(grads, opt_state, params, curvature=curv)
+    else:
 
-    def plain():
-        loss, grads = value_and_grad(model, batch)
-        with between_estimates():
-            return loss, *optimiser.update(grads, opt_state, params)
+        def plain():
+            return *value_and_grad(model, batch), _placeholder(vgc, model, batch, key)
 
-    return _every(period, opt_state, statistics, plain)
+        loss, grads, curv = jax.lax.cond(due, lambda: vgc(model, batch, key=key), plain)
+    updates, opt_state = optimiser.update(
+        grads, opt_state, params, curvature=curv, curvature_due=due
+    )
+    return loss, updates, opt_state
 
 
 def _separate_update(
@@ -164,17 +171,16 @@ def _separate_update(
     params = eqx.filter(model, eqx.is_inexact_array)
     loss, grads = value_and_grad(model, batch)
     sub = _leading(batch, batch_size)
-
-    def plain():
-        with between_estimates():
-            return optimiser.update(grads, opt_state, params)
-
-    updates, opt_state = _every(
-        period,
-        opt_state,
-        lambda: optimiser.update(
-            grads, opt_state, params, curvature=vgc(model, sub, key=key)[2]
-        ),
-        plain,
+    due = _due(period, opt_state)
+    if due is None:
+        curv = vgc(model, sub, key=key)[2]
+    else:
+        curv = jax.lax.cond(
+            due,
+            lambda: vgc(model, sub, key=key)[2],
+            lambda: _placeholder(vgc, model, sub, key),
+        )
+    updates, opt_state = optimiser.update(
+        grads, opt_state, params, curvature=curv, curvature_due=due
     )
     return loss, updates, opt_state
