@@ -137,19 +137,27 @@ def precondition(updates: PyTree, state: KFACState) -> PyTree:
     )
 
 
-def _constrain(direction, grads, constraint, learning_rate):
-    """Scales `direction` Δ so that lr²·Δᵀg ≤ `constraint` (Δᵀg ≈ ΔᵀCΔ: the step's
-    squared length in the curvature metric), as kfac_jax's `norm_constraint`."""
+def _constrain(direction, grads, constraint, learning_rate) -> tuple[PyTree, Array]:
+    """`direction` Δ scaled so that lr²·Δᵀg ≤ `constraint` (Δᵀg ≈ ΔᵀCΔ: the step's
+    squared length in the curvature metric), as kfac_jax's `norm_constraint`, and
+    whether the result is finite (for `guard`). Δᵀg, one reduction per leaf, is
+    the test: a NaN or inf in Δ makes it non-finite (inf · 0 is NaN), and the
+    scaled Δ is finite when it is (an overflowing Δᵀg gives scale 0)."""
     inner = optax.tree_utils.tree_vdot(direction, grads)
     lr = jnp.asarray(learning_rate).astype(jnp.result_type(inner))
     size = lr**2 * jnp.maximum(inner, 0.0)
     scale = jnp.minimum(1.0, jnp.sqrt(constraint / jnp.maximum(size, 1e-30)))
-    return jax.tree_util.tree_map(lambda d: (scale * d).astype(d.dtype), direction)
+    scaled = jax.tree_util.tree_map(lambda d: (scale * d).astype(d.dtype), direction)
+    return scaled, jnp.isfinite(inner) & jnp.isfinite(scale)
 
 
-def guard(direction: PyTree, state: KFACState) -> tuple[PyTree, KFACState]:
-    """A non-finite update (NaN gradients, a blown-up inverse) becomes no step."""
-    ok = all_finite(direction)
+def guard(
+    direction: PyTree, state: KFACState, ok: Array | None = None
+) -> tuple[PyTree, KFACState]:
+    """A non-finite update (NaN gradients, a blown-up inverse) becomes no step;
+    `ok`: whether `direction` is finite, when known (else computed here)."""
+    if ok is None:
+        ok = all_finite(direction)
     direction = jax.tree_util.tree_map(
         lambda x: jnp.where(ok, x, jnp.zeros_like(x)), direction
     )
@@ -298,9 +306,10 @@ def _preconditioner(
         direction = precondition(updates, state)
         lr = value_at(learning_rate, state.count)
         direction = checked_at(caller, "learning_rate", lr, direction, allow_zero=True)
+        ok = None
         if norm_constraint is not None:
-            direction = _constrain(direction, updates, norm_constraint, lr)
-        return guard(direction, state)
+            direction, ok = _constrain(direction, updates, norm_constraint, lr)
+        return guard(direction, state, ok)
 
     # optax types a state as an array tree; this one holds Curvatures (pytrees too).
     return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
