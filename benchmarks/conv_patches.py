@@ -23,7 +23,7 @@ import numpy as np
 
 import eqfisher as ef
 from eqfisher._curvature import statistics as stats
-from eqfisher.internal import Traced, split
+from eqfisher.internal import StagedLoss, split
 
 
 class CNN(eqx.Module):
@@ -94,7 +94,7 @@ def main() -> None:
     )
 
     s = split(model, batch)
-    processed = Traced(loss_fn, "benchmark").trace(s)
+    processed = StagedLoss(loss_fn, "benchmark").stage(s)
     ev = processed.run(s.inputs)
     for record in processed.layers:
         if record.kind != "conv":

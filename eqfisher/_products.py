@@ -9,7 +9,7 @@ import lineax as lx
 from jaxtyping import Array, Float, PyTree
 
 from ._stop_hessian import stop_hessian as stop_hessian
-from ._tracer import Traced, split
+from ._tracer import StagedLoss, split
 
 
 def _structure(model: PyTree) -> PyTree:
@@ -22,7 +22,7 @@ def _structure(model: PyTree) -> PyTree:
 def _tag_fn(loss_fn: Callable, model: PyTree, batch: PyTree, caller: str):
     """`(params_tree -> tag inputs)`, the registered losses, and rebuild helpers."""
     s = split(model, batch)
-    processed = Traced(loss_fn, caller).trace(s, layers=False)
+    processed = StagedLoss(loss_fn, caller).stage(s, layers=False)
     coefs = processed.coefficients(s.inputs)
 
     def fn(params):

@@ -16,11 +16,18 @@ from ._curvature import (
 from ._tracer import (
     MIXED as MIXED,
     LayerRecord as LayerRecord,
-    ProcessedTrace as ProcessedTrace,
+    LossProgram as LossProgram,
     Split as Split,
-    Traced as Traced,
+    StagedLoss as StagedLoss,
     detect as detect,
     jaxpr_labels as jaxpr_labels,
     split as split,
-    trace as trace,
+    stage_loss as stage_loss,
 )
+
+
+# Deprecated: the old names of `LossProgram`, `StagedLoss` and `stage_loss` ("trace"
+# is the matrix trace, `Curvature.trace`); they will be removed.
+ProcessedTrace = LossProgram
+Traced = StagedLoss
+trace = stage_loss

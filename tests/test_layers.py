@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import eqfisher as ef
-from eqfisher.internal import split, trace
+from eqfisher.internal import split, stage_loss
 
 from .zoo import BY_NAME, F64, ZOO, ZooEntry
 
@@ -205,7 +205,7 @@ def test_grouped_conv_is_detected_and_refused_by_kfac():
 def test_records_of_mlp():
     entry = BY_NAME["mlp"]
     model, batch = entry.build()
-    records = trace(entry.loss_fn, split(model, batch)).layers
+    records = stage_loss(entry.loss_fn, split(model, batch)).layers
     dims = [(r.d_in, r.d_out) for r in records]
     assert dims == [(4, 8), (8, 8), (8, 3)]
     assert [r.param_indices for r in records] == [(0, 1), (2, 3), (4, 5)]
@@ -218,7 +218,7 @@ def test_records_of_mlp():
 def test_records_of_transformer():
     entry = BY_NAME["transformer"]
     model, batch = entry.build()
-    records = trace(entry.loss_fn, split(model, batch)).layers
+    records = stage_loss(entry.loss_fn, split(model, batch)).layers
     kinds = {r.name: (r.kind.name, r.d_in, r.d_out) for r in records}
     assert kinds == {
         "embed": ("embedding", 11, 8),

@@ -241,11 +241,11 @@ def test_derivatives_are_compared_where_a_stop_gradient_mixes_examples(
     # The derivative check (a JVP per example) costs about as much to compile as
     # the rest of the per-example pass: it runs only where values can hide a
     # coupling, a stop_gradient of several examples' data.
-    from eqfisher._tracer import split, stops_mixed_gradients, trace
+    from eqfisher._tracer import split, stage_loss, stops_mixed_gradients
 
     model, batch = _problem()
     s = split(model, batch)
-    found = stops_mixed_gradients(trace(fn, s).program, s, batch, 0, "test")
+    found = stops_mixed_gradients(stage_loss(fn, s).program, s, batch, 0, "test")
     assert found == stops
     if outputs is not None:  # no coupling: the per-example curvature is exact
         curv = ef.curvature(fn, model, batch, estimator=ef.GGN(), structure=ef.Dense())
@@ -368,7 +368,7 @@ def test_laplace_hyperparameters_out_of_range_raise(kwargs, name):
         ef.laplace.Laplace(
             post.curvature, post.model, loss=post.loss, num_data=N, **extra, **kwargs
         )
-    # Traced (e.g. tuned under jit): checked at run time.
+    # StagedLoss (e.g. tuned under jit): checked at run time.
     value = jnp.asarray(next(iter(kwargs.values())), F64)
     if name == "prior_precision":
         with pytest.raises(eqx.EquinoxRuntimeError, match=f"`{name}` must be positive"):

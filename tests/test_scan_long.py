@@ -10,7 +10,7 @@ import pytest
 
 import eqfisher as ef
 from eqfisher import internal as stats
-from eqfisher.internal import Traced, layer_outputs_vjp, split
+from eqfisher.internal import StagedLoss, layer_outputs_vjp, split
 
 from .helpers import dense_ggn_cross_entropy
 
@@ -186,12 +186,12 @@ def _statistics_size(model, batch, loss_fn) -> int:
     """Equations of the program K-FAC's statistics come from: one forward with
     zero perturbations on the layers' outputs, two stacked VJPs pulling vectors
     back to them, and the layers' inputs."""
-    traced = Traced(loss_fn, "test")
+    staged = StagedLoss(loss_fn, "test")
 
     def statistics(model, batch):
         s = split(model, batch)
-        processed = traced.trace(s)
-        lin = layer_outputs_vjp(processed, s, processed.layers, full=False)
+        processed = staged.stage(s)
+        lin = layer_outputs_vjp(processed, s, processed.layers, value_and_grad=False)
         vectors = tuple(jnp.ones((2,) + x.inputs.shape, F64) for x in lin.losses)
         _, cotangents = jax.vmap(lin.vjp)(vectors)
         return cotangents.values, lin.layer_inputs.values.values
@@ -217,12 +217,12 @@ def test_pooled_factors_of_a_shared_cell_equal_the_per_step_sum(reduce, max_fact
     # `pooled_factors` computes the factors of every step's use at once; the
     # per-step sum, A = Σₜ Aₜ nₜ / Σₜ nₜ and G = Σₜ Gₜ, is the definition.
     model, batch = Recurrent(jax.random.key(0)), _batch((8, F))
-    traced = Traced(ce_recurrent, "test")
+    staged = StagedLoss(ce_recurrent, "test")
     s = split(model, batch)
-    processed = traced.trace(s)
+    processed = staged.stage(s)
     cell = [r for r in processed.layers if r.name == "cell"]
     assert len(cell) == 8
-    lin = layer_outputs_vjp(processed, s, processed.layers, full=False)
+    lin = layer_outputs_vjp(processed, s, processed.layers, value_and_grad=False)
     inputs = lin.layer_inputs
     vectors = tuple(
         jax.random.normal(jax.random.key(5), (3,) + loss.inputs.shape, F64)

@@ -28,7 +28,7 @@ import pytest
 
 import eqfisher as ef
 from eqfisher.blocks import kronecker
-from eqfisher.internal import Traced, per_example_taps, split
+from eqfisher.internal import StagedLoss, per_example_taps, split
 
 from .helpers import dense_ggn_cross_entropy, perturbed
 
@@ -208,8 +208,8 @@ def test_layernorm_diagonals_beside_reduce_taps_are_exact():
 
 
 def _taps(model, batch):
-    traced = Traced(loss_fn, "test")
-    processed = traced.trace(split(model, batch))
+    staged = StagedLoss(loss_fn, "test")
+    processed = staged.stage(split(model, batch))
     records = processed.layers
     # As `curvature` asks with KFAC("reduce"): the LayerNorms' diagonals need
     # every location.

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import eqfisher as ef
-from eqfisher.internal import LayerRecord, split, trace
+from eqfisher.internal import LayerRecord, split, stage_loss
 
 from .helpers import tree_allclose
 from .zoo import BY_NAME, ZOO, ZooEntry
@@ -175,7 +175,7 @@ def test_layer_vjp_zoo(entry: ZooEntry):
     )
     data = vjp_fn((t,))
 
-    records = trace(entry.loss_fn, split(model, batch)).layers
+    records = stage_loss(entry.loss_fn, split(model, batch)).layers
     assert [r.name for r in records] == [name for name, _, _ in entry.layers]
     assert len(data) == len(records)
     kinds_checked = set()
@@ -254,9 +254,9 @@ def test_layer_vjp_traces_once_per_structure():
     transformed = ef.layer_vjp(entry.loss_fn)
     transformed(model, batch)
     transformed(model, (batch[0] + 1.0, batch[1]))
-    assert len(transformed.traced.cache) == 1
+    assert len(transformed.staged.cache) == 1
     transformed(model, (batch[0][:2], batch[1][:2]))
-    assert len(transformed.traced.cache) == 2
+    assert len(transformed.staged.cache) == 2
 
 
 # --- loss-tag transforms ------------------------------------------------------------

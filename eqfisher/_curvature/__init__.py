@@ -1,6 +1,6 @@
-"""The curvature: from a trace (`eqfisher._tracer`) to a `Curvature`, the blocks of
-a whole model as one lineax operator, and the functions that build it (`curvature`,
-`value_grad_and_curvature`).
+"""The curvature: from a `LossProgram` (`eqfisher._tracer`) to a `Curvature`, the
+blocks of a whole model as one lineax operator, and the functions that build it
+(`curvature`, `value_grad_and_curvature`).
 
 The options a user passes are typed Modules: `estimators` (which matrix: `GGN`,
 `FisherExact`, `FisherMC`, `EmpiricalFisher`; each turns a registered loss into

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from .. import filters
-from .._tracer import Traced, split
+from .._tracer import StagedLoss, split
 from ..blocks import AbstractBlock
 from . import statistics as stats
 from .estimators import AbstractEstimator, loss_vectors, stacked_vectors
@@ -97,7 +97,7 @@ def _assemble(params, blocks, grouping, processed, selected) -> Curvature:
     position = {p: j for j, p in enumerate(selected)}
     indices, slices = [], []
     for g in grouping:
-        units = [processed.units[i] for i in g.leaves]
+        units = [processed.units[i] for i in g.param_indices]
         indices.append((g.name, tuple(position[leaf] for leaf, _ in units)))
         slices.append(tuple(index for _, index in units))
     shapes = [
@@ -115,7 +115,7 @@ def _assemble(params, blocks, grouping, processed, selected) -> Curvature:
 class Builder(eqx.Module):
     """Shared by `curvature` and `value_grad_and_curvature`."""
 
-    traced: Traced = eqx.field(static=True)
+    staged: StagedLoss = eqx.field(static=True)
     estimator: AbstractEstimator
     structure: AbstractStructure
     where: object = eqx.field(static=True)
@@ -123,17 +123,25 @@ class Builder(eqx.Module):
     examples: AbstractExamples = INDEPENDENT
 
     def __call__(
-        self, model, batch, key, *, full: bool, cotangent_fn=None
+        self, model, batch, key, *, value_and_grad: bool, cotangent_fn=None
     ) -> tuple[Curvature, MainPass]:
-        """The curvature, and the main pass's `MainPass` (with `full`, its
+        """The curvature, and the main pass's `MainPass` (with `value_and_grad`, its
         `program_outputs` and `grads` for the value and the gradient, the
         gradient's cotangents from `cotangent_fn(program_outputs)`)."""
         selected = _select(model, self.where, self.caller)
         s = split(model, batch)
-        processed = self.traced.trace(s)
+        processed = self.staged.stage(s)
         grouping, needs = self._grouping(processed, selected, model)
         main = self._main_pass(
-            model, batch, s, processed, grouping, needs, key, full, cotangent_fn
+            model,
+            batch,
+            s,
+            processed,
+            grouping,
+            needs,
+            key,
+            value_and_grad,
+            cotangent_fn,
         )
         rows = self._rows(main, grouping, needs)
         steps_cache = {}
@@ -147,12 +155,21 @@ class Builder(eqx.Module):
         return curv, main
 
     def _main_pass(
-        self, model, batch, s, processed, grouping, needs, key, full, cotangent_fn
+        self,
+        model,
+        batch,
+        s,
+        processed,
+        grouping,
+        needs,
+        key,
+        value_and_grad,
+        cotangent_fn,
     ) -> MainPass:
         """One forward of the whole batch and its VJP: the layers' inputs and the
         output cotangents of the estimator's vectors, for the Kronecker factors and
         the per-example vectors the `examples` option takes from this pass (and,
-        with `full`, the gradient)."""
+        with `value_and_grad`, the gradient)."""
         main_rows = self.examples.main_pass_rows(
             processed,
             s,
@@ -162,12 +179,16 @@ class Builder(eqx.Module):
         records = [r for g, n in zip(grouping, needs) if n.kronecker for r in g.records]
         records += [r for g in main_rows.groups for r in g.records]
         lin = stats.layer_outputs_vjp(
-            processed, s, records, full=full, per_example=_summed(grouping, needs)
+            processed,
+            s,
+            records,
+            value_and_grad=value_and_grad,
+            per_example=_summed(grouping, needs),
         )
         _check_examples(lin.losses, self.caller)
         per_loss = loss_vectors(self.estimator, lin.losses, key)
         grads = None
-        if lin.grad_vjp is not None:  # with `full`
+        if lin.grad_vjp is not None:  # with `value_and_grad`
             # The gradient and the curvature vectors are pulled back separately:
             # batching them would also compute K unused weight gradients, which
             # XLA cannot remove from a batched product.
@@ -229,7 +250,7 @@ class Builder(eqx.Module):
         """One group's `Statistics`: Kronecker factors from the main pass's layer
         inputs and output cotangents, per-example vectors from `rows`, as it
         needs."""
-        shape = main.processed.unit_shape(main.split.params, g.leaves[0])
+        shape = main.processed.unit_shape(main.split.params, g.param_indices[0])
         dtype = stats.stat_dtype(shape[1])
         a = gg = None
         if n.kronecker:
@@ -241,7 +262,7 @@ class Builder(eqx.Module):
                 g.records,
                 main.layer_inputs,
                 main.cotangents,
-                len(g.leaves) == 2,
+                len(g.param_indices) == 2,
                 dtype,
                 reduce_examples=reduce,
                 max_factor_dim=n.max_factor_dim,
@@ -252,7 +273,9 @@ class Builder(eqx.Module):
             a,
             gg,
             g.records[0].weight_perm if n.kronecker else None,
-            tuple(rows[i].astype(dtype) for i in g.leaves) if n.examples else None,
+            tuple(rows[i].astype(dtype) for i in g.param_indices)
+            if n.examples
+            else None,
         )
 
     def _run_blocks(self, groups, statistics) -> dict[str, AbstractBlock]:
@@ -279,11 +302,11 @@ class Builder(eqx.Module):
         """Per parameter number, the exact per-example vectors `(m, *shape)` of the
         groups that need them, as the `examples` option computes them."""
         parts = sorted(
-            {i for g, n in zip(grouping, needs) if n.examples for i in g.leaves}
+            {i for g, n in zip(grouping, needs) if n.examples for i in g.param_indices}
         )
         if not parts:
             return {}
-        return self.examples.rows(self.traced, self.estimator, main, parts)
+        return self.examples.rows(self.staged, self.estimator, main, parts)
 
 
 def _check_examples(losses, caller: str) -> None:
@@ -302,7 +325,7 @@ def _step_runs(grouping, needs, processed) -> list[list[int]]:
     """The groups that are the steps 0, 1, ... of one stacked layer (`step_runs`
     over their units), as positions in `grouping`, all with the same needs and
     operand shapes."""
-    units = [[processed.units[i] for i in g.leaves] for g in grouping]
+    units = [[processed.units[i] for i in g.param_indices] for g in grouping]
     entries = [(tuple(u for u, _ in us), tuple(k for _, k in us)) for us in units]
     return [
         run

@@ -338,7 +338,7 @@ def stacked_vectors(per_loss: list[Array]) -> tuple[Array, ...]:
     total = sum(v.shape[0] for v in per_loss)
     out, start = [], 0
     for v in per_loss:
-        full = jnp.zeros((total,) + v.shape[1:], v.dtype)
-        out.append(full.at[start : start + v.shape[0]].set(v))
+        padded = jnp.zeros((total,) + v.shape[1:], v.dtype)
+        out.append(padded.at[start : start + v.shape[0]].set(v))
         start += v.shape[0]
     return tuple(out)

@@ -12,9 +12,9 @@ import jax
 from jaxtyping import Array, PyTree
 
 from .._tracer import (
-    ProcessedTrace,
+    LossProgram,
     Split,
-    Traced,
+    StagedLoss,
     proven_labels,
     stops_mixed_gradients,
 )
@@ -68,7 +68,7 @@ class AbstractExamples(eqx.Module):
     @abc.abstractmethod
     def main_pass_rows(
         self,
-        processed: ProcessedTrace,
+        processed: LossProgram,
         s: Split,
         batch: PyTree,
         groups: Sequence[Group],
@@ -77,7 +77,7 @@ class AbstractExamples(eqx.Module):
 
         **Arguments:**
 
-        - `processed`: the trace of `loss_fn` on the model and `batch`.
+        - `processed`: the `LossProgram` of `loss_fn` on the model and `batch`.
         - `s`: the model and `batch`, split into leaves.
         - `batch`: the batch.
         - `groups`: the groups with layers whose blocks need per-example vectors.
@@ -92,7 +92,7 @@ class AbstractExamples(eqx.Module):
     @abc.abstractmethod
     def rows(
         self,
-        traced: Traced,
+        staged: StagedLoss,
         estimator: AbstractEstimator,
         main: MainPass,
         parts: Sequence[int],
@@ -101,10 +101,10 @@ class AbstractExamples(eqx.Module):
 
         **Arguments:**
 
-        - `traced`: `loss_fn`, with its traces (for a pass per example).
+        - `staged`: `loss_fn`, with its `LossProgram`s (for a pass per example).
         - `estimator`: the estimator, whose output vectors are pulled back.
         - `main`: what the main pass gave, with its `MainPassRows`.
-        - `parts`: parameter numbers (`ProcessedTrace.units`).
+        - `parts`: parameter numbers (`LossProgram.units`).
 
         **Returns:**
 
@@ -169,15 +169,15 @@ class IndependentExamples(AbstractExamples):
         shifts = [g for g in groups if main_pass_rows_possible(g.records, n, labels)]
         return MainPassRows(tuple(shifts), n, labels)
 
-    def rows(self, traced, estimator, main, parts):
+    def rows(self, staged, estimator, main, parts):
         processed, s = main.processed, main.split
         shifts = main.main_rows.groups
-        shifted = {i for g in shifts for i in g.leaves}
+        shifted = {i for g in shifts for i in g.param_indices}
         rest = [i for i in parts if i not in shifted]
         rows, mismatch = {}, None
         if rest or main.main_rows.labels is None:
             rows, mismatch = _pass_per_example(
-                traced, estimator, self.axis, main, parts, rest
+                staged, estimator, self.axis, main, parts, rest
             )
         n = main.main_rows.n_examples  # known where there are groups
         if shifts and n is not None:
@@ -193,7 +193,7 @@ class IndependentExamples(AbstractExamples):
             )
         if mismatch is None:  # proven at trace time (`example_axes`)
             return rows
-        message = f"`{traced.caller}`: {INTERACTION}"
+        message = f"`{staged.caller}`: {INTERACTION}"
         return {i: eqx.error_if(x, mismatch, message) for i, x in rows.items()}
 
 
@@ -258,7 +258,7 @@ class InteractingExamples(AbstractExamples):
         # An example's part of the batch's pullback holds the others' data too.
         return MainPassRows()
 
-    def rows(self, traced, estimator, main, parts):
+    def rows(self, staged, estimator, main, parts):
         full_vectors = stacked_vectors(
             [estimator.batch_vectors(v, self.axis) for v in main.per_loss]
         )
@@ -266,15 +266,15 @@ class InteractingExamples(AbstractExamples):
         return _unit_rows(main.processed, parts, p_ct)
 
 
-def _pass_per_example(traced, estimator, axis, main: MainPass, parts, rest):
+def _pass_per_example(staged, estimator, axis, main: MainPass, parts, rest):
     """`(rows, mismatch)`: the per-example vectors of the parameters `rest` from a
     pass per example, and the check that the examples do not interact (for all of
     `parts`, whose other vectors come from the main pass)."""
     processed, s = main.processed, main.split
     full_inputs = [loss.inputs for loss in main.losses]
-    one = one_example(traced, main.model, main.batch, full_inputs, axis)
+    one = one_example(staged, main.model, main.batch, full_inputs, axis)
     derivatives = stops_mixed_gradients(
-        processed.program, s, main.batch, axis, traced.caller
+        processed.program, s, main.batch, axis, staged.caller
     )
     if not rest:
         leaves = sorted({processed.units[i][0] for i in parts})
@@ -291,7 +291,7 @@ def _pass_per_example(traced, estimator, axis, main: MainPass, parts, rest):
     return _unit_rows(processed, rest, dict(zip(leaves, vecs))), mismatch
 
 
-def _unit_rows(processed: ProcessedTrace, parts, by_leaf) -> dict[int, Array]:
+def _unit_rows(processed: LossProgram, parts, by_leaf) -> dict[int, Array]:
     """Each parameter number's rows, from rows of whole leaves `by_leaf[leaf]`."""
     rows = {}
     for i in parts:

@@ -11,7 +11,7 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from .._config import Config, current_config
-from .._tracer import Returns, Traced
+from .._tracer import Returns, StagedLoss
 from ..filters import AbstractFilter
 from .builder import Builder, check_args
 from .estimators import AbstractEstimator
@@ -104,9 +104,9 @@ def _curvature_jit(
     del config
     caller = "eqfisher.curvature"
     builder = Builder(
-        Traced(loss_fn, caller), estimator, structure, where, caller, examples
+        StagedLoss(loss_fn, caller), estimator, structure, where, caller, examples
     )
-    return builder(model, batch, key, full=False)[0]
+    return builder(model, batch, key, value_and_grad=False)[0]
 
 
 def value_grad_and_curvature(
@@ -155,7 +155,7 @@ def value_grad_and_curvature(
         ```
     """
     caller = "eqfisher.value_grad_and_curvature"
-    traced = Traced(
+    staged = StagedLoss(
         loss_fn, caller, _returns(caller, has_aux, surrogate), takes_has_aux=True
     )
     cotangent_fn = functools.partial(_cotangents, which=1 if surrogate else 0)
@@ -167,8 +167,10 @@ def value_grad_and_curvature(
     @eqx.filter_jit
     def compiled(model, batch, key, config: Config):
         del config  # static: see `_curvature_jit`
-        builder = Builder(traced, estimator, structure, where, caller, examples)
-        curv, main = builder(model, batch, key, full=True, cotangent_fn=cotangent_fn)
+        builder = Builder(staged, estimator, structure, where, caller, examples)
+        curv, main = builder(
+            model, batch, key, value_and_grad=True, cotangent_fn=cotangent_fn
+        )
         value = _value(loss_fn, model, batch, main.program_outputs, has_aux)
         return value, _like_params(model, main.grads), curv
 
@@ -176,7 +178,7 @@ def value_grad_and_curvature(
 
 
 def _returns(caller: str, has_aux: bool, surrogate: bool) -> Returns:
-    """What `loss_fn` returns, as `Traced` names it: `"aux"`, `"surrogate"` or
+    """What `loss_fn` returns, as `StagedLoss` names it: `"aux"`, `"surrogate"` or
     `"loss"`."""
     if has_aux and surrogate:
         raise ValueError(f"`{caller}`: pass at most one of `has_aux` and `surrogate`.")

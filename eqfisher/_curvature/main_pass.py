@@ -9,7 +9,7 @@ from collections.abc import Callable
 import equinox as eqx
 from jaxtyping import Array, PyTree
 
-from .._tracer import ProcessedTrace, RegisteredLoss, Split
+from .._tracer import LossProgram, RegisteredLoss, Split
 from .statistics import LayerInputs
 from .structures import Group
 
@@ -38,7 +38,7 @@ class MainPass(eqx.Module):
     **Fields:**
 
     - `model`, `batch`: the arguments; `split`: the two split into leaves.
-    - `processed`: the trace of `loss_fn` the pass ran.
+    - `processed`: the `LossProgram` of `loss_fn` the pass ran.
     - `program_outputs`: the program's outputs (for the gradient; else None).
     - `losses`: the registered losses.
     - `vjp`: pulls cotangents of the losses' inputs back, to `(parameter
@@ -53,7 +53,7 @@ class MainPass(eqx.Module):
     model: PyTree
     batch: PyTree
     split: Split
-    processed: ProcessedTrace
+    processed: LossProgram
     program_outputs: PyTree | None
     losses: tuple[RegisteredLoss, ...]
     vjp: Callable

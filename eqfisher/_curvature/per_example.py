@@ -29,10 +29,10 @@ from jaxtyping import Array
 from .._tracer import (
     MIXED,
     LayerRecord,
-    ProcessedTrace,
+    LossProgram,
     PVar,
     Split,
-    Traced,
+    StagedLoss,
     VarMap,
     label_of,
     leaf_axes,
@@ -85,7 +85,7 @@ class OneExample:
     s: Split
     axes: list
     n: int
-    processed: ProcessedTrace
+    processed: LossProgram
     loss_axes: list[int]
 
     def run(self, params: Sequence[Array], ex_leaves: Sequence[Array]) -> tuple:
@@ -109,8 +109,8 @@ class OneExample:
 
 @dataclasses.dataclass(frozen=True)
 class Probe:
-    """A tangent of some parameter leaves and the registered losses' inputs'
-    tangents along it in the full batch (`probe`).
+    """A tangent of some parameter leaves (`direction`) and the registered losses'
+    inputs' tangents along it in the full batch (`batch_tangents`), from `probe`.
 
     Equal values do not prove that examples do not interact: a straight-through
     term `m - stop_gradient(m)` of a batch mean `m` is zero in value, but not in
@@ -121,11 +121,11 @@ class Probe:
 
     leaves: tuple[int, ...]
     direction: tuple[Array, ...] | None  # None: compare values only
-    full: tuple[Array, ...] | None
+    batch_tangents: tuple[Array, ...] | None
 
 
 def probe(
-    processed: ProcessedTrace, s: Split, leaves: Sequence[int], derivatives: bool
+    processed: LossProgram, s: Split, leaves: Sequence[int], derivatives: bool
 ) -> Probe:
     """The `Probe` of the given parameter leaves: one JVP of the full batch, where
     `derivatives` (a `stop_gradient` of several examples' data,
@@ -148,17 +148,17 @@ def probe(
         ev = processed.run(p + s.others + s.batch)
         return tuple(t[0] for t in ev.tags)
 
-    _, full = jax.jvp(fn, (tuple(params[i] for i in leaves),), (direction,))
-    return Probe(leaves, direction, full)
+    _, batch_tangents = jax.jvp(fn, (tuple(params[i] for i in leaves),), (direction,))
+    return Probe(leaves, direction, batch_tangents)
 
 
 def one_example(
-    traced: Traced, model, batch, full_inputs: Sequence[Array], axis
+    staged: StagedLoss, model, batch, full_inputs: Sequence[Array], axis
 ) -> OneExample:
     """Splits the batch into examples along `axis` and traces `loss_fn` on one; each
     loss's example axis is where its one-example outputs have size 1. (A batch
     without examples is refused before, by the builder.)"""
-    caller = traced.caller
+    caller = staged.caller
     s = split(model, batch)
     axes = leaf_axes(axis, batch, caller)
     n = _shared_count(s, batch, axis, axes, caller)
@@ -166,7 +166,7 @@ def one_example(
         x if a is None else jax.lax.slice_in_dim(x, 0, 1, axis=a)
         for x, a in zip(s.batch, axes)
     ]
-    processed = _trace_one(traced, model, batch, one_leaves, axes)
+    processed = _stage_one(staged, model, batch, one_leaves, axes)
     one_shapes = [
         node.eqn.invars[0].aval.shape
         for node in processed.program.nodes
@@ -205,7 +205,7 @@ def _shared_count(s: Split, batch, axis, axes, caller: str) -> int:
     )
 
 
-def _trace_one(traced: Traced, model, batch, one_leaves, axes) -> ProcessedTrace:
+def _stage_one(staged: StagedLoss, model, batch, one_leaves, axes) -> LossProgram:
     """`loss_fn` traced on the batch cut to its first example; a failure says that
     eqfisher re-ran it, and what `examples=` does."""
     b_dyn, b_static = eqx.partition(batch, eqx.is_array)
@@ -214,10 +214,10 @@ def _trace_one(traced: Traced, model, batch, one_leaves, axes) -> ProcessedTrace
         b_static,
     )
     try:
-        return traced.trace(split(model, one), layers=False)  # only run
+        return staged.stage(split(model, one), layers=False)  # only run
     except Exception as e:
         raise ValueError(
-            f"`{traced.caller}`: this structure needs per-example Jacobians, so "
+            f"`{staged.caller}`: this structure needs per-example Jacobians, so "
             "eqfisher re-ran `loss_fn` on one example (every array of `batch` cut "
             f"to size 1 along its example axis: {axes}, shapes "
             f"{[tuple(x.shape) for x in one_leaves]}), and that run failed: "
@@ -237,14 +237,16 @@ def _first_line(e: Exception) -> str:
     return lines[0].rstrip(".") if lines else ""
 
 
-def _loss_axis(full: tuple[int, ...], one: tuple[int, ...], n: int) -> int | None:
+def _loss_axis(
+    batch_shape: tuple[int, ...], one_shape: tuple[int, ...], n: int
+) -> int | None:
     """The axis where a loss's full-batch shape has `n` and its one-example shape 1."""
-    if len(full) != len(one):
+    if len(batch_shape) != len(one_shape):
         return None
-    diff = [i for i, (a, b) in enumerate(zip(full, one)) if a != b]
+    diff = [i for i, (a, b) in enumerate(zip(batch_shape, one_shape)) if a != b]
     if not diff:
         return 0 if n == 1 else None
-    if len(diff) == 1 and full[diff[0]] == n and one[diff[0]] == 1:
+    if len(diff) == 1 and batch_shape[diff[0]] == n and one_shape[diff[0]] == 1:
         return diff[0]
     return None
 
@@ -290,8 +292,8 @@ def per_example_vectors(
     vs = tuple(jnp.moveaxis(v, 1, 0) for v in vectors)  # (N, K, ...)
     out, alone, tangents = jax.vmap(example, in_axes=(list(one.axes), 0))(s.batch, vs)
     mismatch = one.mismatch(full_inputs, alone)
-    if along.full is not None and tangents is not None:
-        mismatch = mismatch | one.mismatch(along.full, tangents)
+    if along.batch_tangents is not None and tangents is not None:
+        mismatch = mismatch | one.mismatch(along.batch_tangents, tangents)
     return [x.reshape((-1,) + x.shape[2:]) for x in out], mismatch
 
 
@@ -301,7 +303,7 @@ def examples_mismatch(
     """`OneExample.mismatch`, in value and along the probe's tangent, from a
     forward (JVP) per example (no backward)."""
     params = jax.lax.stop_gradient(list(one.s.params))
-    if along.direction is None or along.full is None:
+    if along.direction is None or along.batch_tangents is None:
         alone = jax.vmap(lambda ex: one.run(params, ex), in_axes=(list(one.axes),))(
             one.s.batch
         )
@@ -318,7 +320,9 @@ def examples_mismatch(
         return jax.jvp(fn, (primals,), (along.direction,))
 
     alone, tangents = jax.vmap(example, in_axes=(list(one.axes),))(one.s.batch)
-    return one.mismatch(full_inputs, alone) | one.mismatch(along.full, tangents)
+    return one.mismatch(full_inputs, alone) | one.mismatch(
+        along.batch_tangents, tangents
+    )
 
 
 # --- scale-and-shift rows from the main pass ------------------------------------

@@ -28,7 +28,7 @@ from .._tracer import (
     DenseKind,
     EmbeddingKind,
     LayerRecord,
-    ProcessedTrace,
+    LossProgram,
     PVar,
     RegisteredLoss,
     ScaleAndShiftKind,
@@ -588,14 +588,14 @@ class LayerOutputsVjp(eqx.Module):
     **Fields:**
 
     - `loss_inputs`: the registered losses' inputs, one array per loss.
-    - `program_outputs`: the outputs of `loss_fn`'s program (with `full`; else
-      None).
+    - `program_outputs`: the outputs of `loss_fn`'s program (with
+      `value_and_grad`; else None).
     - `losses`: the registered losses.
     - `layer_inputs`: the layers' inputs, as `LayerInputs`.
     - `vjp`: pulls cotangents of `loss_inputs` back, to `(parameter cotangents,
       layer-output cotangents)`: the latter a `VarMap` over the layers' outputs.
     - `grad_vjp`: pulls cotangents of `program_outputs` back, to a 1-tuple of
-      parameter cotangents (with `full`; else None).
+      parameter cotangents (with `value_and_grad`; else None).
     """
 
     loss_inputs: tuple[Array, ...]
@@ -607,17 +607,17 @@ class LayerOutputsVjp(eqx.Module):
 
 
 def layer_outputs_vjp(
-    processed: ProcessedTrace,
+    processed: LossProgram,
     s: Split,
     layers: Sequence[LayerRecord],
     *,
-    full: bool,
+    value_and_grad: bool,
     per_example: Sequence[LayerRecord] = (),
 ) -> LayerOutputsVjp:
     """One forward with zero perturbations on the layers' outputs, and its VJP.
 
     `LayerOutputsVjp.vjp` pulls cotangents of the registered losses' inputs back;
-    with `full`, the forward also gives the program's outputs and
+    with `value_and_grad`, the forward also gives the program's outputs and
     `LayerOutputsVjp.grad_vjp` pulls cotangents of them back. Both pull back
     through the one linearisation of one forward: a forward traced twice is merged
     by XLA only outside loops, and a model applied with `lax.scan` would run twice.
@@ -641,7 +641,7 @@ def layer_outputs_vjp(
         ev = processed.run(
             list(p_leaves) + s.others + s.batch,
             perturb,
-            full=full,
+            whole_program=value_and_grad,
             reads=wanted,
             read_means=in_scan,
         )
@@ -651,7 +651,7 @@ def layer_outputs_vjp(
             for a in wanted
         )
         aux = (processed.losses(ev, coefs), reads)
-        return (ev.outputs if full else None, tag_inputs), aux
+        return (ev.outputs if value_and_grad else None, tag_inputs), aux
 
     perturbed = points([r.outputs for r in layers])
     zero = VarMap(
@@ -676,5 +676,5 @@ def layer_outputs_vjp(
         losses=losses,
         layer_inputs=LayerInputs(layers, VarMap(wanted, values)),
         vjp=vjp,
-        grad_vjp=grad_vjp if full else None,
+        grad_vjp=grad_vjp if value_and_grad else None,
     )

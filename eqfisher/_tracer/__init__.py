@@ -1,14 +1,15 @@
 """The tracer: capture a loss function, find its layers, and differentiate it.
 
 `loss_fn(model, batch)` is traced once per (model structure, batch shapes and dtypes)
-into a `ProcessedTrace`: the flattened jaxpr, its loss tags, and its layer records,
+into a `LossProgram`: the flattened jaxpr, its loss tags, and its layer records,
 with the parameters known by their model paths. Everything here runs inside
-`jax.jit`/`eqx.filter_jit`; the trace is Python work done at JAX trace time only.
+`jax.jit`/`eqx.filter_jit`; staging is Python work done at JAX trace time only.
 
 The data path through it:
 
-- `capture`: `split` a model and batch into flat leaves, `trace` `loss_fn` on them
-  into a `ProcessedTrace`; `Traced` is a loss function with a cache of its traces.
+- `capture`: `split` a model and batch into flat leaves, `stage_loss` (trace
+  `loss_fn` on them) into a `LossProgram`; `StagedLoss` is a loss function with a
+  cache of its `LossProgram`s.
   It runs the three packages below in turn:
 - `program/`: the jaxpr flattened into one list of equations (`flatten`), and its
   interpreter (`evaluate`);
@@ -17,10 +18,10 @@ The data path through it:
 - `layers/`: layer detection on the program (`graph` → `candidates` → `verdict` →
   `detect`), with `declare` the tag of a layer declared by `register_dense`.
 
-Then what the rest of eqfisher calls on a `ProcessedTrace`: `layer_functions`
+Then what the rest of eqfisher calls on a `LossProgram`: `layer_functions`
 (`find_layers`, `layer_vjp`), `loss_tags` (`loss_tags_vjp`, `loss_tags_jvp`,
 `loss_tags_hvp`), returning the values in `results` (`RegisteredLoss`, `LayerData`,
-`LayerReport`). The statistics and the `Curvature` are built from a trace by
+`LayerReport`). The statistics and the `Curvature` are built from a `LossProgram` by
 `eqfisher._curvature`; the public face of this package is `eqfisher.tracing`.
 
 This face re-exports what the rest of eqfisher uses.
@@ -35,12 +36,12 @@ from .analyses import (
     stops_mixed_gradients as stops_mixed_gradients,
 )
 from .capture import (
-    ProcessedTrace as ProcessedTrace,
+    LossProgram as LossProgram,
     Returns as Returns,
     Split as Split,
-    Traced as Traced,
+    StagedLoss as StagedLoss,
     split as split,
-    trace as trace,
+    stage_loss as stage_loss,
 )
 from .declare import register_dense as register_dense
 from .layer_functions import find_layers as find_layers, layer_vjp as layer_vjp

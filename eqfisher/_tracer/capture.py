@@ -1,6 +1,7 @@
-"""Capturing a loss function: `split` a model and batch into flat leaves, `trace`
-`loss_fn` on them into a `ProcessedTrace` (program, loss tags, layer records), and
-`Traced`, a loss function with a cache of its traces."""
+"""Capturing a loss function: `split` a model and batch into flat leaves,
+`stage_loss` (trace `loss_fn` on them) into a `LossProgram` (program, loss tags,
+layer records), and `StagedLoss`, a loss function with a cache of its
+`LossProgram`s."""
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
@@ -28,8 +29,8 @@ _REGISTRATION = (
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ProcessedTrace:
-    """A traced loss function: program, loss tags and layers. Immutable.
+class LossProgram:
+    """A loss function staged out: its program, loss tags and layers. Immutable.
 
     Parameters are numbered: the leaves `0 .. num_params - 1`, then the scan units
     (one step's slice of a stacked leaf, see `program.Unit`). `units[i]` is the
@@ -85,18 +86,19 @@ class ProcessedTrace:
         inputs,
         perturbations: VarMap | None = None,
         *,
-        full: bool = False,
+        whole_program: bool = False,
         reads: Sequence[Any] = (),
         read_means: Mapping[int, tuple[int, ...]] | None = None,
     ) -> Evaluation:
-        """Runs the program; `reads` are the scan-body variables (`StepVar`s) the
-        caller reads from the result, `read_means` what a scan averages them over
-        (see `evaluate`)."""
+        """Runs the program: to its end with `whole_program`, else only up to the
+        last loss tag. `reads` are the scan-body variables (`StepVar`s) the caller
+        reads from the result, `read_means` what a scan averages them over (see
+        `evaluate`)."""
         return evaluate(
             self.program,
             inputs,
             perturbations,
-            stop_after_tags=None if full else self.num_tags,
+            stop_after_tags=None if whole_program else self.num_tags,
             reads=reads,
             read_means=read_means,
         )
@@ -108,7 +110,7 @@ class ProcessedTrace:
         used = [v for v in self.value_vars if v is not None]
 
         def objective(perturb):
-            return self.run(inputs, perturb, full=True).outputs[self.objective]
+            return self.run(inputs, perturb, whole_program=True).outputs[self.objective]
 
         out, vjp = jax.vjp(objective, VarMap.zeros(used))
         (ct,) = vjp(jnp.ones_like(out))
@@ -240,7 +242,7 @@ def _check_returns(
             )
 
 
-def trace(
+def stage_loss(
     loss_fn: Callable,
     s: Split,
     *,
@@ -248,16 +250,16 @@ def trace(
     returns: Returns = "loss",
     layers: bool = True,
     takes_has_aux: bool = False,
-) -> ProcessedTrace:
-    """Traces `loss_fn` on the split model and batch.
+) -> LossProgram:
+    """Traces `loss_fn` on the split model and batch into a `LossProgram`.
 
     `returns` says what `loss_fn` returns: the scalar loss, `(loss, aux)` or
     `(loss, surrogate)`; `takes_has_aux` whether `caller` takes `has_aux=` (the
     fix named for a pair returned without it). The loss must be affine in the
     registered losses' values and (except with a surrogate) depend on parameters
-    only through them. Without `layers`, no layers are looked for (a trace that is
-    only run, such as the per-example pass's: a scanned model's detection costs a
-    record per step).
+    only through them. Without `layers`, no layers are looked for (a program that
+    is only run, such as the per-example pass's: a scanned model's detection costs
+    a record per step).
     """
     n_p, n_o = len(s.params), len(s.others)
     out_trees = []
@@ -296,7 +298,7 @@ def trace(
         program, n_p, paths, 0, outside_terms=returns == "surrogate", caller=caller
     )
     found = detect(program, paths) if layers else Detection((), ())
-    return ProcessedTrace(
+    return LossProgram(
         program=program,
         num_params=n_p,
         param_paths=paths,
@@ -313,12 +315,12 @@ def trace(
     )
 
 
-class Traced:
-    """A loss function with a cache of its traces, one per argument structure.
+class StagedLoss:
+    """A loss function with a cache of its `LossProgram`s, one per structure.
 
     `caller` names the public function in error messages, `returns` is what
     `loss_fn` returns and `takes_has_aux` whether `caller` takes `has_aux=` (see
-    `trace`).
+    `stage_loss`).
     """
 
     def __init__(
@@ -337,12 +339,12 @@ class Traced:
         self.returns: Returns = returns
         self.takes_has_aux = takes_has_aux
 
-    def trace(self, s: Split, *, layers: bool = True) -> ProcessedTrace:
+    def stage(self, s: Split, *, layers: bool = True) -> LossProgram:
         key = (s.key, current_config(), layers)
         cached = self.cache.get(key)
         if cached is not None:
             return cached
-        processed = trace(
+        processed = stage_loss(
             self.loss_fn,
             s,
             caller=self.caller,

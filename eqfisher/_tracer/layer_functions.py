@@ -6,7 +6,7 @@ from collections.abc import Callable
 import jax
 from jaxtyping import Array, Float, PyTree
 
-from .capture import Traced, split, trace
+from .capture import StagedLoss, split, stage_loss
 from .program import VarMap, points
 from .results import LayerData, LayerReport
 
@@ -49,7 +49,7 @@ def find_layers(
         assert [layer.kind for layer in report.layers] == ["dense", "dense"]
         ```
     """
-    processed = trace(loss_fn, split(model, batch), caller="eqfisher.find_layers")
+    processed = stage_loss(loss_fn, split(model, batch), caller="eqfisher.find_layers")
     report = processed.report()
     if strict and report.unmatched:
         detail = "; ".join(f"{p} ({r})" for p, r in processed.unmatched)
@@ -61,12 +61,12 @@ def find_layers(
 
 
 class _LayerVjp:
-    def __init__(self, traced: Traced):
-        self.traced = traced
+    def __init__(self, staged: StagedLoss):
+        self.staged = staged
 
     def __call__(self, model: PyTree, batch: PyTree):
         s = split(model, batch)
-        processed = self.traced.trace(s)
+        processed = self.staged.stage(s)
         layers = processed.layers
         reads = [v for r in layers for v in (r.inputs, r.outputs)]
 
@@ -133,4 +133,4 @@ def layer_vjp(loss_fn: Callable) -> Callable:
         assert jnp.allclose(second.params_tangent[1], grads.layers[1].bias, atol=1e-6)
         ```
     """
-    return _LayerVjp(Traced(loss_fn, "eqfisher.layer_vjp"))
+    return _LayerVjp(StagedLoss(loss_fn, "eqfisher.layer_vjp"))

@@ -6,10 +6,10 @@ from collections.abc import Callable
 import jax
 from jaxtyping import PyTree
 
-from .capture import ProcessedTrace, Split, Traced, split
+from .capture import LossProgram, Split, StagedLoss, split
 
 
-def _params_fn(processed: ProcessedTrace, s: Split):
+def _params_fn(processed: LossProgram, s: Split):
     coefs = processed.coefficients(s.inputs)
 
     def fn(p_leaves):
@@ -41,11 +41,11 @@ def loss_tags_vjp(loss_fn: Callable) -> Callable:
             assert jnp.allclose(a, b, atol=1e-6)
         ```
     """
-    traced = Traced(loss_fn, "eqfisher.loss_tags_vjp")
+    staged = StagedLoss(loss_fn, "eqfisher.loss_tags_vjp")
 
     def transformed(model, batch):
         s = split(model, batch)
-        fn = _params_fn(traced.trace(s, layers=False), s)
+        fn = _params_fn(staged.stage(s, layers=False), s)
         _, vjp, losses = jax.vjp(fn, s.params, has_aux=True)
         return losses, lambda tangents: _unflatten(s, vjp(tuple(tangents))[0])
 
@@ -66,11 +66,11 @@ def loss_tags_jvp(loss_fn: Callable) -> Callable:
         assert jnp.allclose(dlogits, expected, atol=1e-6)
         ```
     """
-    traced = Traced(loss_fn, "eqfisher.loss_tags_jvp")
+    staged = StagedLoss(loss_fn, "eqfisher.loss_tags_jvp")
 
     def transformed(model, batch, params_tangent):
         s = split(model, batch)
-        fn = _params_fn(traced.trace(s, layers=False), s)
+        fn = _params_fn(staged.stage(s, layers=False), s)
         t_leaves = jax.tree_util.tree_leaves(params_tangent)
         _, tangents, losses = jax.jvp(fn, (s.params,), (t_leaves,), has_aux=True)
         return losses, tangents
@@ -97,11 +97,11 @@ def loss_tags_hvp(loss_fn: Callable) -> Callable:
             assert jnp.allclose(a, b, atol=1e-5)
         ```
     """
-    traced = Traced(loss_fn, "eqfisher.loss_tags_hvp")
+    staged = StagedLoss(loss_fn, "eqfisher.loss_tags_hvp")
 
     def transformed(model, batch, params_tangent):
         s = split(model, batch)
-        fn = _params_fn(traced.trace(s, layers=False), s)
+        fn = _params_fn(staged.stage(s, layers=False), s)
 
         def total(p):
             losses = fn(p)[1]

@@ -1,6 +1,6 @@
 """The grouping helpers `eqfisher.curvature` runs a structure with: the candidate
-groups of a trace (one per layer, one per parameter in no layer), and the check of
-the groups a structure's `groups` returns."""
+groups of a `LossProgram` (one per layer, one per parameter in no layer), and the
+check of the groups a structure's `groups` returns."""
 
 import jax
 
@@ -12,9 +12,9 @@ def candidates(processed, selected: list[int], unsupported) -> tuple[Group, ...]
     """One group per layer over its selected parameters, and one per selected
     parameter in no layer, in model order.
 
-    `processed` is a `ProcessedTrace`, `selected` the selected leaves, and
+    `processed` is a `LossProgram`, `selected` the selected leaves, and
     `unsupported(record)` says why a layer has no Kronecker factors (or None).
-    Parameter numbers are `ProcessedTrace.units`: whole leaves, or, for a stacked
+    Parameter numbers are `LossProgram.units`: whole leaves, or, for a stacked
     leaf read by a scan, its per-step units.
     """
     parts = processed.parts(selected)
@@ -26,16 +26,16 @@ def candidates(processed, selected: list[int], unsupported) -> tuple[Group, ...]
         aval = avals[leaf]
         return jax.ShapeDtypeStruct(aval.shape[len(index) :], aval.dtype)
 
-    def group(name, layer, leaves, records, kronecker, reason):
+    def group(name, layer, param_indices, records, kronecker, reason):
         return Group(
             name=name,
             layer=layer,
-            paths=tuple(processed.paths[i] for i in leaves),
-            shapes=tuple(shape(i) for i in leaves),
+            paths=tuple(processed.paths[i] for i in param_indices),
+            shapes=tuple(shape(i) for i in param_indices),
             kronecker=kronecker,
             unsupported=reason,
-            leaves=leaves,
-            units=tuple(processed.units[i] for i in leaves),
+            param_indices=param_indices,
+            units=tuple(processed.units[i] for i in param_indices),
             records=records,
         )
 
@@ -45,22 +45,22 @@ def candidates(processed, selected: list[int], unsupported) -> tuple[Group, ...]
     out, covered = [], set()
     for indices, records in applications.items():
         r = records[0]
-        leaves = tuple(i for i in indices if i in chosen)
-        if not leaves:
+        kept = tuple(i for i in indices if i in chosen)
+        if not kept:
             continue
-        covered.update(leaves)
+        covered.update(kept)
         reason = unsupported(r)
         weight_in = r.weight_perm is not None and indices[0] in chosen
         kron = weight_in and reason is None
         # A layer without a weight (scale-and-shift) is not refused, only diagonal.
         refused = reason if weight_in and r.weight_perm is not None else None
-        out.append(group(r.name, r.info, leaves, tuple(records), kron, refused))
+        out.append(group(r.name, r.info, kept, tuple(records), kron, refused))
     for i in parts:
         if i not in covered:
             out.append(
                 group(processed.paths[i].lstrip("."), None, (i,), (), False, None)
             )
-    out.sort(key=lambda g: min(processed.units[i] for i in g.leaves))
+    out.sort(key=lambda g: min(processed.units[i] for i in g.param_indices))
     return tuple(out)
 
 
@@ -73,8 +73,8 @@ def check_groups(
             f"`{caller}(..., structure={structure!r})`: `{type(structure).__name__}"
             f".groups` must return a tuple of `eqfisher.Group`s, got {groups!r}."
         )
-    want = sorted(i for g in candidates for i in g.leaves)
-    got = sorted(i for g in groups for i in g.leaves)
+    want = sorted(i for g in candidates for i in g.param_indices)
+    got = sorted(i for g in groups for i in g.param_indices)
     if got != want:
         raise ValueError(
             f"`{caller}(..., structure={structure!r})`: `{type(structure).__name__}"

@@ -62,9 +62,13 @@ class Group:
       embedding layer whose weight is selected).
     - `unsupported`: why a layer with a weight has no Kronecker factors (a phrase
       following its name), or None.
+    - `param_indices`: the parameters' numbers, in operand order. eqfisher numbers
+      the model's parameter leaves, then the per-step slices of a stacked leaf that
+      a scan reads; `LayerRecord.param_indices` uses the same numbers.
 
-    The other fields are eqfisher's bookkeeping: parameter numbers, the layer
-    applications, and which part of a `PerLayer` builds the block.
+    The other fields are eqfisher's bookkeeping: each parameter's `(leaf, index)`
+    (`units`, `index == ()` for a whole leaf), the layer applications (`records`),
+    and which part of a `PerLayer` builds the block (`route`).
 
     !!! Example
 
@@ -104,7 +108,7 @@ class Group:
     shapes: tuple[jax.ShapeDtypeStruct, ...]
     kronecker: bool
     unsupported: str | None
-    leaves: tuple[int, ...]
+    param_indices: tuple[int, ...]
     units: tuple[tuple[int, tuple[int, ...]], ...]
     records: tuple[LayerRecord, ...]
     route: tuple[int, ...] = ()
@@ -115,7 +119,7 @@ class Group:
         items = sorted(
             (u, i, p, s)
             for g in groups
-            for u, i, p, s in zip(g.units, g.leaves, g.paths, g.shapes)
+            for u, i, p, s in zip(g.units, g.param_indices, g.paths, g.shapes)
         )
         return Group(
             name=name,
@@ -124,7 +128,7 @@ class Group:
             shapes=tuple(s for _, _, _, s in items),
             kronecker=False,
             unsupported=None,
-            leaves=tuple(i for _, i, _, _ in items),
+            param_indices=tuple(i for _, i, _, _ in items),
             units=tuple(u for u, _, _, _ in items),
             records=(),
         )

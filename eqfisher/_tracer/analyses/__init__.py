@@ -8,7 +8,7 @@ per variable:
   layer output's `(locations, features)` matrix layout from them.
 - `objective`: how the value `loss_fn` returns depends on its registered losses;
   `check_objective` refuses a loss function whose value is not affine in them
-  (`capture.trace`).
+  (`capture.stage_loss`).
 - `example_axes`: where each variable keeps its examples; the curvature builder
   uses it to prove that the examples do not interact before the losses
   (`proven_labels`, `stops_mixed_gradients`).

@@ -56,7 +56,7 @@ def leaf_axes(axis: PyTree, batch: PyTree, caller: str) -> list[int | None]:
             self.a = a
 
     try:
-        full = jax.tree_util.tree_map(
+        whole = jax.tree_util.tree_map(
             lambda a, sub: jax.tree_util.tree_map(lambda _: _Axis(a), sub),
             axis,
             batch,
@@ -70,7 +70,7 @@ def leaf_axes(axis: PyTree, batch: PyTree, caller: str) -> list[int | None]:
     axes = [
         None if x.ndim == 0 else a.a
         for a, x in zip(
-            jax.tree_util.tree_leaves(full), jax.tree_util.tree_leaves(batch)
+            jax.tree_util.tree_leaves(whole), jax.tree_util.tree_leaves(batch)
         )
         if eqx.is_array(x)
     ]

@@ -5,7 +5,7 @@ through a registered loss's value, and whether it depends on those values not at
 all, affinely or otherwise. The returned value must be affine in the loss values
 (constant factors, weighted sums, weights from the batch) and depend on parameters
 only through them; the coefficient of each loss is then a derivative, computed at
-run time (`ProcessedTrace.coefficients`). Everything here runs at trace time.
+run time (`LossProgram.coefficients`). Everything here runs at trace time.
 """
 
 import dataclasses

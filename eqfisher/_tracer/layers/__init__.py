@@ -10,7 +10,7 @@ equations, consumers, what reaches a registered loss) → `candidates` (one
 candidates cannot be a Kronecker-factored layer, and why) → `detect` (the kept
 layers as `LayerRecord`s in model order, and a reason for every parameter in none).
 
-`detect` is what the tracer calls (`capture.trace`); `LayerInfo` is what a user
+`detect` is what the tracer calls (`capture.stage_loss`); `LayerInfo` is what a user
 sees of a layer, `LayerRecord` what the curvature code reads. A layer's kind is a
 type (`kinds`: `AbstractLayerKind` and a final class per kind); `LayerInfo.kind` is
 its name.
