@@ -34,6 +34,7 @@ from .examples import (
 from .functions import (
     curvature as curvature,
     value_grad_and_curvature as value_grad_and_curvature,
+    value_grad_then_curvature as value_grad_then_curvature,
 )
 from .memory import (
     BlockMemory as BlockMemory,

@@ -2,9 +2,10 @@
 arguments, selects the parameters, groups them as the structure asks, computes each
 group's statistics and assembles the blocks into a `Curvature`.
 
-`Builder.__call__` runs it as phases: the grouping (`_grouping`), the main pass
-(`_main_pass`: one forward and VJP of the whole batch, whose products it keeps in
-a `MainPass`), the per-example vectors (`_rows`, asked of the `examples` option),
+`Builder.__call__` runs it as phases: the grouping (`_grouping`) and one forward
+of the whole batch with its linearisation (`linearise`, kept in a `Linearised`),
+then (`curvature`) the main pass (`_main_pass`: the VJP of the estimator's
+vectors, whose products it keeps in a `MainPass`), the per-example vectors (`_rows`, asked of the `examples` option),
 the blocks (`_blocks`, from each group's `_statistics`) and the `Curvature`
 (`_assemble`).
 """
@@ -20,7 +21,7 @@ from ..blocks import AbstractBlock
 from . import statistics as stats
 from .estimators import AbstractEstimator, loss_vectors, stacked_vectors
 from .examples import AbstractExamples, IndependentExamples
-from .main_pass import MainPass, MainPassRows
+from .main_pass import Linearised, MainPass, MainPassRows
 from .operator import Curvature, step_runs
 from .structures import (
     AbstractStructure,
@@ -128,48 +129,22 @@ class Builder(eqx.Module):
         """The curvature, and the main pass's `MainPass` (with `value_and_grad`, its
         `program_outputs` and `grads` for the value and the gradient, the
         gradient's cotangents from `cotangent_fn(program_outputs)`)."""
+        forward = self.linearise(
+            model, batch, value_and_grad=value_and_grad, cotangent_fn=cotangent_fn
+        )
+        return self.curvature(forward, key)
+
+    def linearise(
+        self, model, batch, *, value_and_grad: bool, cotangent_fn=None
+    ) -> Linearised:
+        """The first phases: the grouping, and one forward of the whole batch with
+        its linearisation (and, with `value_and_grad`, the gradient). Needs no
+        `key`: `curvature` can run later, e.g. inside a `lax.cond` whose
+        operands are this forward's residuals."""
         selected = _select(model, self.where, self.caller)
         s = split(model, batch)
         processed = self.staged.stage(s)
         grouping, needs = self._grouping(processed, selected, model)
-        main = self._main_pass(
-            model,
-            batch,
-            s,
-            processed,
-            grouping,
-            needs,
-            key,
-            value_and_grad,
-            cotangent_fn,
-        )
-        rows = self._rows(main, grouping, needs)
-        steps_cache = {}
-
-        def statistics(j):
-            return self._statistics(grouping[j], needs[j], main, rows, steps_cache)
-
-        blocks = self._blocks(grouping, needs, processed, statistics)
-        params = eqx.filter(model, eqx.is_inexact_array)
-        curv = _assemble(params, blocks, grouping, processed, selected)
-        return curv, main
-
-    def _main_pass(
-        self,
-        model,
-        batch,
-        s,
-        processed,
-        grouping,
-        needs,
-        key,
-        value_and_grad,
-        cotangent_fn,
-    ) -> MainPass:
-        """One forward of the whole batch and its VJP: the layers' inputs and the
-        output cotangents of the estimator's vectors, for the Kronecker factors and
-        the per-example vectors the `examples` option takes from this pass (and,
-        with `value_and_grad`, the gradient)."""
         main_rows = self.examples.main_pass_rows(
             processed,
             s,
@@ -186,29 +161,55 @@ class Builder(eqx.Module):
             per_example=_summed(grouping, needs),
         )
         _check_examples(lin.losses, self.caller)
-        per_loss = loss_vectors(self.estimator, lin.losses, key)
         grads = None
         if lin.grad_vjp is not None:  # with `value_and_grad`
             # The gradient and the curvature vectors are pulled back separately:
             # batching them would also compute K unused weight gradients, which
             # XLA cannot remove from a batched product.
             (grads,) = lin.grad_vjp(cotangent_fn(lin.program_outputs))
+        return Linearised(
+            model, batch, s, processed, selected, grouping, needs, main_rows, lin, grads
+        )
+
+    def curvature(self, forward: Linearised, key) -> tuple[Curvature, MainPass]:
+        """The later phases, from `linearise`'s forward: the estimator's vectors
+        pulled back (`_main_pass`), the per-example vectors, the blocks and the
+        `Curvature`."""
+        grouping, needs = forward.grouping, forward.needs
+        main = self._main_pass(forward, key)
+        rows = self._rows(main, grouping, needs)
+        steps_cache = {}
+
+        def statistics(j):
+            return self._statistics(grouping[j], needs[j], main, rows, steps_cache)
+
+        blocks = self._blocks(grouping, needs, forward.processed, statistics)
+        params = eqx.filter(forward.model, eqx.is_inexact_array)
+        curv = _assemble(params, blocks, grouping, forward.processed, forward.selected)
+        return curv, main
+
+    def _main_pass(self, forward: Linearised, key) -> MainPass:
+        """The forward's VJP of the estimator's output vectors: the layers' output
+        cotangents, for the Kronecker factors and the per-example vectors the
+        `examples` option takes from this pass."""
+        lin, main_rows = forward.lin, forward.main_rows
+        per_loss = loss_vectors(self.estimator, lin.losses, key)
         _, cotangents = _pull_each(lin.vjp, stacked_vectors(per_loss))
         if self.estimator.splits_positions and any(v.ndim > 3 for v in per_loss):
             # An example's vectors are not its part of the batch's.
             main_rows = MainPassRows((), main_rows.n_examples, main_rows.labels)
         return MainPass(
-            model=model,
-            batch=batch,
-            split=s,
-            processed=processed,
+            model=forward.model,
+            batch=forward.batch,
+            split=forward.split,
+            processed=forward.processed,
             program_outputs=lin.program_outputs,
             losses=lin.losses,
             vjp=lin.vjp,
             layer_inputs=lin.layer_inputs,
             per_loss=tuple(per_loss),
             cotangents=cotangents,
-            grads=grads,
+            grads=forward.grads,
             main_rows=main_rows,
         )
 

@@ -177,6 +177,38 @@ def value_grad_and_curvature(
     return fn
 
 
+def value_grad_then_curvature(
+    loss_fn: Callable, *, estimator: AbstractEstimator, structure: AbstractStructure
+) -> Callable:
+    """`value_grad_and_curvature(loss_fn, ...)` in two parts, for a step that
+    computes the curvature only at some steps (`eqfisher.optim.kfac_step`).
+
+    `fn(model, batch, key=None) -> (loss, grads, curvature)`, called inside jit,
+    runs the forward of the whole batch and the gradient; `curvature()` the rest
+    of `value_grad_and_curvature`'s work, from the same forward, and returns its
+    `Curvature`. Called inside a `lax.cond`, only that rest is conditional: the
+    model is compiled once, its forward's residuals are the `cond`'s operands.
+    """
+    caller = "eqfisher.value_grad_and_curvature"
+    staged = StagedLoss(loss_fn, caller, "loss", takes_has_aux=True)
+    cotangent_fn = functools.partial(_cotangents, which=0)
+    builder = Builder(staged, estimator, structure, None, caller, IndependentExamples())
+
+    def fn(model, batch, key=None):
+        check_args(caller, estimator, structure, key, builder.examples)
+        forward = builder.linearise(
+            model, batch, value_and_grad=True, cotangent_fn=cotangent_fn
+        )
+
+        def curvature() -> Curvature:
+            return builder.curvature(forward, key)[0]
+
+        loss = forward.lin.program_outputs[0]
+        return loss, _like_params(model, forward.grads), curvature
+
+    return fn
+
+
 def _returns(caller: str, has_aux: bool, surrogate: bool) -> Returns:
     """What `loss_fn` returns, as `StagedLoss` names it: `"aux"`, `"surrogate"` or
     `"loss"`."""

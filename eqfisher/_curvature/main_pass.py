@@ -1,8 +1,9 @@
 """The state the builder's phases pass on (`Builder.__call__`), as optimistix's
 solvers carry theirs from `init` to `step`: `MainPassRows`, which groups take
 their per-example vectors from the main pass (asked of the `examples` option
-before it runs), and `MainPass`, what the forward and the VJP of the whole batch
-gave."""
+before it runs), `Linearised`, the grouping and the linearised forward of the
+whole batch (which needs no key), and `MainPass`, what that forward and the VJP
+of the estimator's vectors gave."""
 
 from collections.abc import Callable
 
@@ -10,8 +11,8 @@ import equinox as eqx
 from jaxtyping import Array, PyTree
 
 from .._tracer import LossProgram, RegisteredLoss, Split
-from .statistics import LayerInputs
-from .structures import Group
+from .statistics import LayerInputs, LayerOutputsVjp
+from .structures import Group, Needs
 
 
 class MainPassRows(eqx.Module):
@@ -29,6 +30,33 @@ class MainPassRows(eqx.Module):
     groups: tuple[Group, ...] = ()
     n_examples: int | None = None
     labels: dict | None = None
+
+
+class Linearised(eqx.Module):
+    """What `Builder.linearise` gives `Builder.curvature`: the grouping and one
+    forward of the whole batch, linearised.
+
+    **Fields:**
+
+    - `model`, `batch`: the arguments; `split`: the two split into leaves.
+    - `processed`: the program of `loss_fn` the forward ran.
+    - `selected`: the positions of the selected parameter leaves.
+    - `grouping`, `needs`: the structure's groups and what each needs.
+    - `main_rows`: the groups whose per-example vectors come from the main pass.
+    - `lin`: the forward and its VJP (`statistics.LayerOutputsVjp`).
+    - `grads`: the gradient's parameter cotangents (for the gradient; else None).
+    """
+
+    model: PyTree
+    batch: PyTree
+    split: Split
+    processed: LossProgram
+    selected: list[int]
+    grouping: list[Group]
+    needs: list[Needs]
+    main_rows: MainPassRows
+    lin: LayerOutputsVjp
+    grads: PyTree | None
 
 
 class MainPass(eqx.Module):
