@@ -1,4 +1,6 @@
 import abc
+import contextlib
+import contextvars
 import math
 from typing import TypeVar, cast
 
@@ -111,12 +113,32 @@ class AbstractBlock(lx.AbstractLinearOperator):
         return self.in_structure()
 
 
+# Set while a caller passes the blocks scalars whose range it has established
+# (`scalars_checked`).
+_SCALARS_CHECKED = contextvars.ContextVar("scalars_checked", default=False)
+
+
+@contextlib.contextmanager
+def scalars_checked():
+    """Inside, the traced `damping`, `decay` and `c` given to blocks are taken as
+    in range, as their caller made sure (the K-FAC optimiser clips its decay and
+    checks its damping once): no runtime check is compiled for them. Each would
+    be a host callback in the compiled step, about 10 ms of compile time."""
+    token = _SCALARS_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        _SCALARS_CHECKED.reset(token)
+
+
 def check_damping(damping: ScalarLike, dtype) -> Float[Array, ""]:
     """`damping` as a scalar array of `dtype`, after checking it is positive."""
     if jnp.shape(damping) != ():
         raise ValueError(f"`damping` must be a scalar, got shape {jnp.shape(damping)}.")
     message = "`damping` must be positive: B + damping·I must be positive definite."
     if isinstance(damping, jax.core.Tracer):
+        if _SCALARS_CHECKED.get():
+            return jnp.asarray(damping, dtype)
         return eqx.error_if(
             jnp.asarray(damping, dtype), jnp.asarray(damping) <= 0, message
         )
@@ -132,6 +154,8 @@ def check_scalar(value: ScalarLike, name: str, dtype, *, upper: float | None = N
     bounds = "[0, inf)" if upper is None else f"[0, {upper:g}]"
     message = f"`{name}` must lie in {bounds}."
     if isinstance(value, jax.core.Tracer):
+        if _SCALARS_CHECKED.get():
+            return jnp.asarray(value, dtype)
         x = jnp.asarray(value)
         bad = (x < 0) | (False if upper is None else x > upper)
         return eqx.error_if(jnp.asarray(value, dtype), bad, message)

@@ -8,6 +8,7 @@ import optax
 from jaxtyping import Array, PyTree
 
 from .._curvature import Curvature
+from ..blocks._base import scalars_checked
 from ._damping import AbstractDamping, FactoredTikhonov
 from ._state import (
     KFACState,
@@ -24,7 +25,9 @@ from ._state import (
 
 
 def _invert(avg: Curvature, lam: Array, damping: AbstractDamping) -> Curvature:
-    return avg.map_blocks(lambda b: damping.precompute(b, lam))
+    # `lam` was checked when it was read (`damping_at`).
+    with scalars_checked():
+        return avg.map_blocks(lambda b: damping.precompute(b, lam))
 
 
 def _zeros(tree: PyTree) -> PyTree:
@@ -77,7 +80,9 @@ def fold(
     t = n_good.astype(jnp.float32)
     d = decay * (1 - decay ** (t - 1)) / (1 - decay**t)
     d = jnp.clip(jnp.where(n_good > 1, d, 0.0), 0.0, 1.0)
-    avg = where_tree(finite, state.curvature.ema(curvature, d), state.curvature)
+    with scalars_checked():  # `d` is clipped to [0, 1]
+        ema = state.curvature.ema(curvature, d)
+    avg = where_tree(finite, ema, state.curvature)
     # Early estimates change fast: refresh at each of the first `inverse_every`
     # estimates, then at every `inverse_every`-th.
     refresh = finite & ((n_good <= inverse_every) | (n_good % inverse_every == 0))
