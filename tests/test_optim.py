@@ -14,6 +14,9 @@ from eqfisher import optim
 from .helpers import tree_allclose
 
 
+F64 = jnp.float64
+
+
 # The problem, its curvature template, the optimisers and their compiled steps are
 # built once and shared: tests that use the same configuration reuse one compilation.
 @ft.cache
@@ -473,6 +476,53 @@ def test_pi_damped_inverse_of_a_zero_block_is_finite():
     inverse = zero.pi_damped_inverse(0.01)  # π falls back to 1: (√λ)⁻¹I ⊗ (√λ)⁻¹I
     np.testing.assert_allclose(inverse.a, 10 * np.eye(block.a.shape[0]), rtol=1e-12)
     np.testing.assert_allclose(inverse.g, 10 * np.eye(block.g.shape[0]), rtol=1e-12)
+
+
+class _Scanned(eqx.Module):
+    first: eqx.nn.Linear
+    stack: eqx.nn.Linear  # three steps of one layer, stacked
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.first = eqx.nn.Linear(3, 20, dtype=F64, key=k1)
+        make = lambda k: eqx.nn.Linear(20, 20, dtype=F64, key=k)  # noqa: E731
+        self.stack = eqx.filter_vmap(make)(jax.random.split(k2, 3))
+        self.head = eqx.nn.Linear(20, 2, dtype=F64, key=k3)
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.stack, eqx.is_array)
+
+        def body(h, p):
+            return jnp.tanh(eqx.combine(p, static)(h)), None
+
+        h, _ = jax.lax.scan(body, jnp.tanh(self.first(x)), params)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("max_factor_dim", [None, 10])
+def test_factored_inverse_of_all_blocks_at_once_equals_block_by_block(max_factor_dim):
+    # `FactoredTikhonov.invert` inverts the K-FAC blocks' factors by size class,
+    # each padded with an identity block to its class's size (21, 20, 4, 2 here,
+    # and a stacked layer's steps, vmapped): the same as block by block, in float64.
+    x = jax.random.normal(jax.random.key(2), (32, 3), F64)
+    batch = (x, (x[:, 0] > 0).astype(jnp.int32))
+    model = _Scanned(jax.random.key(0))
+    curv = ef.curvature(
+        loss_fn,
+        model,
+        batch,
+        estimator=ef.GGN(),
+        structure=ef.KFAC(max_factor_dim=max_factor_dim),
+    )
+    assert curv.runs  # the stacked layer's steps are one stored block
+    damping = optim.FactoredTikhonov()
+    for lam in (1e-3, 0.3):
+        together = damping.invert(curv, jnp.asarray(lam, F64))
+        one_by_one = curv.map_blocks(lambda b, lam=lam: damping.precompute(b, lam))
+        assert jax.tree.structure(together) == jax.tree.structure(one_by_one)
+        for a, b in zip(jax.tree.leaves(together), jax.tree.leaves(one_by_one)):
+            np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])

@@ -2,7 +2,7 @@
 parameter PyTree."""
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -333,10 +333,15 @@ class Curvature(lx.AbstractLinearOperator):
         }
         return eqx.tree_at(lambda c: c.stored, self, stored)
 
-    def map_blocks(self, fn: Callable[[AbstractBlock], AbstractBlock]) -> "Curvature":
-        """The curvature with `fn` applied to every block; the steps of a stacked
-        layer at once, by `jax.vmap` (so `fn` must be a pure function of the
-        block), which compiles one batched computation instead of one per step.
+    def map_blocks(
+        self,
+        fn: Callable[[AbstractBlock], AbstractBlock],
+        names: Sequence[str] | None = None,
+    ) -> "Curvature":
+        """The curvature with `fn` applied to every block (or to the stored blocks
+        in `names`, see `stored`); the steps of a stacked layer at once, by
+        `jax.vmap` (so `fn` must be a pure function of the block), which compiles
+        one batched computation instead of one per step.
 
         !!! Example
 
@@ -349,8 +354,9 @@ class Curvature(lx.AbstractLinearOperator):
             ```
         """
         stacked = {run[0] for run in self.runs}
+        chosen = self.stored.keys() if names is None else set(names)
         stored = {
-            k: jax.vmap(fn)(b) if k in stacked else fn(b)
+            k: b if k not in chosen else jax.vmap(fn)(b) if k in stacked else fn(b)
             for k, b in self.stored.items()
         }
         return eqx.tree_at(lambda c: c.stored, self, stored)

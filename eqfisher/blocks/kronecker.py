@@ -1,3 +1,4 @@
+from collections.abc import Sequence
 from typing import cast
 
 import equinox as eqx
@@ -153,6 +154,44 @@ def _shifted_inverse(factor: Factor, shift: Array, eig: Eigh | None) -> Factor:
     if factor.shape[0] <= EIGH_MAX_DIM:
         return _small_shifted_inverse(factor, shift)
     return _dense_shifted_inverse(factor, shift)
+
+
+def shifted_inverses(factors: Sequence[Array], shifts: Sequence[Array]) -> list[Array]:
+    """`(factor + shift·I)⁻¹` of each PSD factor (`_shifted_inverse`), those of
+    dimension at most `EIGH_MAX_DIM` in few batched eigendecompositions: each is
+    padded with an identity block to the largest size within twice its own (the
+    padded matrix is block diagonal, so the top-left block of its inverse is the
+    factor's), and one `vmap` inverts every factor of a size class. One program
+    per size class compiles several times faster than one per factor."""
+    out: list[Array | None] = [None] * len(factors)
+    small = sorted(
+        (
+            i
+            for i, f in enumerate(factors)
+            if f.ndim == 2 and f.shape[0] <= EIGH_MAX_DIM
+        ),
+        key=lambda i: -factors[i].shape[0],
+    )
+    while small:
+        size = factors[small[0]].shape[0]
+        members = [i for i in small if 2 * factors[i].shape[0] >= size]
+        small = [i for i in small if i not in members]
+        padded = jnp.stack([_padded(factors[i], size) for i in members])
+        shift = jnp.stack([jnp.asarray(shifts[i], padded.dtype) for i in members])
+        inverses = jax.vmap(_small_shifted_inverse)(padded, shift)
+        for k, i in enumerate(members):
+            d = factors[i].shape[0]
+            out[i] = inverses[k, :d, :d].astype(factors[i].dtype)
+    return [
+        _shifted_inverse(f, s, None) if o is None else o
+        for f, s, o in zip(factors, shifts, out)
+    ]
+
+
+def _padded(factor: Array, size: int) -> Array:
+    """`factor` in the top-left corner of a `size`-square identity."""
+    eye = jnp.eye(size, dtype=factor.dtype)
+    return eye.at[: factor.shape[0], : factor.shape[0]].set(factor)
 
 
 class KroneckerFactored(AbstractBlock):
@@ -330,18 +369,24 @@ class KroneckerFactored(AbstractBlock):
 
         A `KroneckerFactored` with the same layout, holding the two damped inverses.
         """
+        shift_a, shift_g = self.pi_damping_shifts(damping)
+        return KroneckerFactored(
+            _shifted_inverse(self.a, shift_a, self.a_eig),
+            _shifted_inverse(self.g, shift_g, self.g_eig),
+            weight_perm=self.weight_perm,
+            structure=self.structure,
+        )
+
+    def pi_damping_shifts(self, damping: ScalarLike) -> tuple[Array, Array]:
+        r"""The shifts $\pi\sqrt\lambda$ of A and $\sqrt\lambda / \pi$ of G in
+        `pi_damped_inverse`, as scalar arrays."""
         damping = check_damping(damping, self.a.dtype)
         d_a, d_g = self.a.shape[0], self.g.shape[0]
         trace_a, trace_g = jnp.sum(_diagonal(self.a)), jnp.sum(_diagonal(self.g))
         pi = jnp.sqrt((trace_a / d_a) / (trace_g / d_g))
         pi = jnp.where(jnp.isfinite(pi) & (pi > 0), pi, 1.0).astype(self.a.dtype)
         root = jnp.sqrt(damping)
-        return KroneckerFactored(
-            _shifted_inverse(self.a, pi * root, self.a_eig),
-            _shifted_inverse(self.g, root / pi, self.g_eig),
-            weight_perm=self.weight_perm,
-            structure=self.structure,
-        )
+        return pi * root, root / pi
 
     def solve_factored(self, vector: Operand, damping: ScalarLike) -> Operand:
         r"""The π-damped approximate solve: `pi_damped_inverse(damping).mv(vector)`.

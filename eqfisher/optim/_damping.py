@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxtyping import ScalarLike
 
 from .. import _linalg as linalg
+from .._curvature import Curvature
 from ..blocks import (
     AbstractBlock,
     DiagonalBlock,
@@ -20,6 +21,7 @@ from ..blocks import (
     Full,
     KroneckerFactored,
 )
+from ..blocks.kronecker import shifted_inverses
 
 
 class AbstractDamping(eqx.Module):
@@ -67,6 +69,12 @@ class AbstractDamping(eqx.Module):
 
         A block with the same operand structure.
         """
+
+    def invert(self, curvature: Curvature, damping: ScalarLike) -> Curvature:
+        """Every block's `precompute`: the damped inverse of a whole `Curvature`
+        (the optimiser's cached inverse). A variant may override it to share work
+        between blocks."""
+        return curvature.map_blocks(lambda b: self.precompute(b, damping))
 
 
 @functools.singledispatch
@@ -152,6 +160,18 @@ def _(block: KroneckerFactored, damping):
     return block.pi_damped_inverse(damping)
 
 
+@functools.singledispatch
+def _inverted_together(block: AbstractBlock) -> bool:
+    """Whether `FactoredTikhonov.invert` inverts the block's factors with the other
+    blocks': a K-FAC block without cached eigendecompositions."""
+    return False
+
+
+@_inverted_together.register
+def _(block: KroneckerFactored) -> bool:
+    return block.a_eig is None and block.g_eig is None
+
+
 class Tikhonov(AbstractDamping):
     r"""Exact damping: $(B + \lambda I)^{-1}$ for every block.
 
@@ -213,3 +233,31 @@ class FactoredTikhonov(AbstractDamping):
 
     def precompute(self, block: AbstractBlock, damping: ScalarLike) -> AbstractBlock:
         return _factored_inverse(block, damping)
+
+    def invert(self, curvature: Curvature, damping: ScalarLike) -> Curvature:
+        """As `precompute` on every block, with the factors of the K-FAC blocks
+        outside stacked layers inverted together, by size class
+        (`blocks.kronecker.shifted_inverses`): one program per size class
+        instead of one per factor."""
+        stacked = {run[0] for run in curvature.runs}
+        together = {
+            k: b
+            for k, b in curvature.stored.items()
+            if k not in stacked and _inverted_together(b)
+        }
+        rest = [k for k in curvature.stored if k not in together]
+        out = curvature.map_blocks(lambda b: self.precompute(b, damping), rest)
+        factors, shifts = [], []
+        for b in together.values():
+            factors += [b.a, b.g]
+            shifts += b.pi_damping_shifts(damping)
+        inverses = shifted_inverses(factors, shifts)
+        stored = dict(out.stored)
+        for k, (name, b) in enumerate(together.items()):
+            stored[name] = KroneckerFactored(
+                inverses[2 * k],
+                inverses[2 * k + 1],
+                weight_perm=b.weight_perm,
+                structure=b.structure,
+            )
+        return eqx.tree_at(lambda c: c.stored, out, stored)

@@ -27,7 +27,7 @@ from ._state import (
 def _invert(avg: Curvature, lam: Array, damping: AbstractDamping) -> Curvature:
     # `lam` was checked when it was read (`damping_at`).
     with scalars_checked():
-        return avg.map_blocks(lambda b: damping.precompute(b, lam))
+        return damping.invert(avg, lam)
 
 
 def _zeros(tree: PyTree) -> PyTree:
