@@ -325,7 +325,10 @@ def _step_numbers(program: Program, graph: Graph) -> _StepNumbers:
     scans = scan_nodes(program)
     for j, u in enumerate(graph.program.units):
         k = graph.num_leaves + j
-        scan = next((sc for sc in scans if any(s is u for s in sc.symbolic)), None)
+        # `symbolic(program)` copies a scan's symbolic units; the variables stay.
+        scan = next(
+            (sc for sc in scans if any(s.var is u.var for s in sc.symbolic)), None
+        )
         if scan is None:
             moved[k] = number[id(u)]
             continue

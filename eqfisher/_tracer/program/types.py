@@ -222,6 +222,9 @@ def symbolic(program: Program) -> Program:
     if not any(isinstance(n, ScanNode) for n in program.nodes):
         return program
     nodes: list[Node] = []
+    # Each scan's symbolic units, cut by its `enter` link; `ScanNode.symbolic` keeps
+    # its own (cut by nothing), which detection matches to these by variable.
+    units_of: dict[int, tuple[Unit, ...]] = {}
     for node in program.nodes:
         if not isinstance(node, ScanNode):
             nodes.append(node)
@@ -233,10 +236,9 @@ def symbolic(program: Program) -> Program:
         )
         loop = Node(node.eqn, pvars(node.body_outs[:n_carry]), node.carry_in, node.fn)
         leave = Node(node.eqn, pvars(node.body_outs), node.outs, node.fn)
-        symbolic_units = tuple(
+        units_of[id(node)] = tuple(
             dataclasses.replace(u, nodes=(enter,)) for u in node.symbolic
         )
-        object.__setattr__(node, "symbolic", symbolic_units)
         nodes += [enter, loop, *node.body, leave]
     units: list[Unit] = []
     owner = {
@@ -249,7 +251,7 @@ def symbolic(program: Program) -> Program:
             units.append(u)
         elif id(scan) not in done:
             done.add(id(scan))
-            units.extend(scan.symbolic)
+            units.extend(units_of[id(scan)])
     return Program(program.invars, tuple(nodes), program.outvars, tuple(units))
 
 
