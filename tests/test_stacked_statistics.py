@@ -362,14 +362,11 @@ def test_map_blocks_inverts_a_stacked_layer_at_once(damping):
         np.testing.assert_allclose(got.as_matrix(), want.as_matrix(), atol=1e-10)
 
 
-@pytest.mark.parametrize("eigh_max_dim", [0, 160], ids=["cholesky", "eigh"])
-def test_batched_pi_damped_inverse_falls_back_per_step(eigh_max_dim, monkeypatch):
-    """A stack of factors inverts by Cholesky (or, small factors, by their clamped
-    eigendecomposition); a step whose Cholesky fails (an indefinite factor, as
-    float32 rounding can leave) takes the clamped eigendecomposition, the others
-    keep theirs: as inverted one by one. The inverse stays differentiable in the
-    damping."""
-    monkeypatch.setattr(kronecker, "EIGH_MAX_DIM", eigh_max_dim)
+def test_batched_pi_damped_inverse_falls_back_per_step():
+    """A stack of factors inverts by Cholesky; a step whose Cholesky fails (an
+    indefinite factor, as float32 rounding can leave) takes the clamped
+    eigendecomposition, the others keep theirs: as inverted one by one. The
+    inverse stays differentiable in the damping."""
     k = jr.normal(jr.key(0), (3, 4, 4), F64)
     a = k @ jnp.swapaxes(k, 1, 2)
     a = a.at[1].set(-jnp.eye(4, dtype=F64))
@@ -395,3 +392,27 @@ def test_batched_pi_damped_inverse_falls_back_per_step(eigh_max_dim, monkeypatch
     eps = 1e-6
     numeric = (total(0.1 + eps) - total(0.1 - eps)) / (2 * eps)
     np.testing.assert_allclose(jax.grad(total)(0.1), numeric, rtol=1e-6)
+
+
+def test_shifted_inverses_by_size_class_equal_the_clamped_inverses():
+    """`kronecker.shifted_inverses` inverts matrix factors by size class, each
+    padded with an identity block to its class's size (9 and 5 here; 300 above
+    `PAD_MAX_DIM` alone), an indefinite one by the clamped eigendecomposition, a
+    diagonal one elementwise: each is (clamp(F) + shift·I)⁻¹."""
+    sizes = [5, 9, 3, 300, 4]
+    factors = []
+    for i, d in enumerate(sizes):
+        k = jr.normal(jr.key(i), (d, d + 2), F64)
+        factors.append(k @ k.T / d)
+    factors[0] = factors[0] - 2 * jnp.eye(5, dtype=F64)  # indefinite: Cholesky fails
+    factors[4] = jnp.diagonal(factors[4])  # a diagonal factor
+    shifts = [jnp.asarray(s, F64) for s in (0.1, 0.2, 0.3, 0.4, 0.5)]
+    got = jax.jit(kronecker.shifted_inverses)(factors, shifts)
+    for f, s, inv in zip(factors, shifts, got):
+        if f.ndim == 1:
+            np.testing.assert_allclose(inv, 1 / (np.maximum(f, 0) + s), rtol=1e-12)
+            continue
+        values, vectors = np.linalg.eigh(np.asarray(f))
+        want = (vectors / (np.maximum(values, 0) + float(s))) @ vectors.T
+        assert inv.shape == f.shape and inv.dtype == f.dtype
+        np.testing.assert_allclose(inv, want, rtol=1e-9, atol=1e-10)

@@ -120,65 +120,45 @@ def _dense_shifted_inverses(axis_size, in_batched, factor, shift):
     return jax.lax.cond(jnp.all(ok), lambda: inv, fallback), True
 
 
-# Factors up to this size are inverted through their eigendecomposition: one LAPACK
-# call and no fallback, several times cheaper to compile than a Cholesky inverse with
-# its fallback and within a millisecond of it at run time (benchmarks/RESULTS.md,
-# "Compile time of a K-FAC step").
-EIGH_MAX_DIM = 160
-
-
-@jax.custom_jvp
-def _small_shifted_inverse(factor: Array, shift: Array) -> Array:
-    return _eigh_inverse(_clamped_eigh(factor), shift)
-
-
-@_small_shifted_inverse.defjvp
-def _small_shifted_inverse_jvp(primals, tangents):
-    # d(M⁻¹) = −M⁻¹ dM M⁻¹, with M = factor + shift·I: no derivative of `eigh`,
-    # which is undefined where eigenvalues repeat.
-    inverse = _small_shifted_inverse(*primals)
-    d_factor, d_shift = tangents
-    d_m = d_factor + d_shift * jnp.eye(inverse.shape[-1], dtype=inverse.dtype)
-    return inverse, -inverse @ d_m @ inverse
+# Factors up to this size share a batched inverse with factors up to twice smaller,
+# padded to their size (`shifted_inverses`); larger ones only with factors of their
+# own size.
+PAD_MAX_DIM = 256
 
 
 def _shifted_inverse(factor: Factor, shift: Array, eig: Eigh | None) -> Factor:
     # (factor + shift·I)⁻¹ for a PSD factor and shift > 0: from the cached
-    # eigendecomposition when there is one; for a small factor, from its clamped
-    # eigendecomposition; else by Cholesky, falling back to the clamped
-    # eigendecomposition when rounding makes Cholesky fail (float32).
+    # eigendecomposition when there is one; else by Cholesky, falling back to the
+    # clamped eigendecomposition when rounding makes Cholesky fail (float32).
     if factor.ndim == 1:
         return 1 / (jnp.maximum(factor, 0) + shift)
     if eig is not None:
         return _eigh_inverse(eig, shift)
-    if factor.shape[0] <= EIGH_MAX_DIM:
-        return _small_shifted_inverse(factor, shift)
     return _dense_shifted_inverse(factor, shift)
 
 
 def shifted_inverses(factors: Sequence[Array], shifts: Sequence[Array]) -> list[Array]:
-    """`(factor + shift·I)⁻¹` of each PSD factor (`_shifted_inverse`), those of
-    dimension at most `EIGH_MAX_DIM` in few batched eigendecompositions: each is
-    padded with an identity block to the largest size within twice its own (the
-    padded matrix is block diagonal, so the top-left block of its inverse is the
-    factor's), and one `vmap` inverts every factor of a size class. One program
-    per size class compiles several times faster than one per factor."""
+    """`(factor + shift·I)⁻¹` of each PSD factor (`_shifted_inverse`), the matrix
+    factors by size class, each class in one batched Cholesky (with the
+    eigendecomposition fallback of a stack, `_dense_shifted_inverse`): a factor is
+    padded with an identity block to the largest size in its class (the padded
+    matrix is block diagonal, so the top-left block of its inverse is the
+    factor's), which is at most twice its own, and its own above `PAD_MAX_DIM`.
+    One program per size class compiles several times faster than one per
+    factor."""
     out: list[Array | None] = [None] * len(factors)
-    small = sorted(
-        (
-            i
-            for i, f in enumerate(factors)
-            if f.ndim == 2 and f.shape[0] <= EIGH_MAX_DIM
-        ),
+    matrices = sorted(
+        (i for i, f in enumerate(factors) if f.ndim == 2),
         key=lambda i: -factors[i].shape[0],
     )
-    while small:
-        size = factors[small[0]].shape[0]
-        members = [i for i in small if 2 * factors[i].shape[0] >= size]
-        small = [i for i in small if i not in members]
+    while matrices:  # the largest left, and those it pads
+        size = factors[matrices[0]].shape[0]
+        least = size if size > PAD_MAX_DIM else (size + 1) // 2
+        members = [i for i in matrices if factors[i].shape[0] >= least]
+        matrices = [i for i in matrices if i not in members]
         padded = jnp.stack([_padded(factors[i], size) for i in members])
         shift = jnp.stack([jnp.asarray(shifts[i], padded.dtype) for i in members])
-        inverses = jax.vmap(_small_shifted_inverse)(padded, shift)
+        inverses = jax.vmap(_dense_shifted_inverse)(padded, shift)
         for k, i in enumerate(members):
             d = factors[i].shape[0]
             out[i] = inverses[k, :d, :d].astype(factors[i].dtype)
