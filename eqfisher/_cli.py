@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
         help="train an MLP on the digits data with K-FAC and with Adam, side by side",
     )
     demo.add_argument(
-        "--steps", type=int, default=200, help="training steps per optimiser"
+        "--steps", type=int, default=100, help="training steps per optimiser"
     )
     demo.add_argument(
         "--out",

@@ -15,7 +15,7 @@ def test_demo_smoke(tmp_path, capsys):
         assert internal.main(argv) == 0
     text = capsys.readouterr().out
     assert "K-FAC (eqfisher)" in text and "Adam" in text
-    assert "steps to loss 0.05" in text and "test acc" in text
+    assert "steps to loss 0.15" in text and "test loss" in text
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert out.stat().st_size > 10_000  # two panels with curves, not an empty figure
 

@@ -362,11 +362,14 @@ def test_map_blocks_inverts_a_stacked_layer_at_once(damping):
         np.testing.assert_allclose(got.as_matrix(), want.as_matrix(), atol=1e-10)
 
 
-def test_batched_pi_damped_inverse_falls_back_per_step():
-    """A stack of factors inverts by Cholesky; a step whose Cholesky fails (an
-    indefinite factor, as float32 rounding can leave) takes the clamped
-    eigendecomposition, the others keep theirs: as inverted one by one. The
-    inverse stays differentiable in the damping."""
+@pytest.mark.parametrize("eigh_max_dim", [0, 64], ids=["cholesky", "eigh"])
+def test_batched_pi_damped_inverse_falls_back_per_step(eigh_max_dim, monkeypatch):
+    """A stack of factors inverts by Cholesky (or, small factors, by their clamped
+    eigendecomposition); a step whose Cholesky fails (an indefinite factor, as
+    float32 rounding can leave) takes the clamped eigendecomposition, the others
+    keep theirs: as inverted one by one. The inverse stays differentiable in the
+    damping."""
+    monkeypatch.setattr(kronecker, "EIGH_MAX_DIM", eigh_max_dim)
     k = jr.normal(jr.key(0), (3, 4, 4), F64)
     a = k @ jnp.swapaxes(k, 1, 2)
     a = a.at[1].set(-jnp.eye(4, dtype=F64))
@@ -396,17 +399,19 @@ def test_batched_pi_damped_inverse_falls_back_per_step():
 
 def test_shifted_inverses_by_size_class_equal_the_clamped_inverses():
     """`kronecker.shifted_inverses` inverts matrix factors by size class, each
-    padded with an identity block to its class's size (9 and 5 here; 300 above
-    `PAD_MAX_DIM` alone), an indefinite one by the clamped eigendecomposition, a
-    diagonal one elementwise: each is (clamp(F) + shift·I)⁻¹."""
-    sizes = [5, 9, 3, 300, 4]
+    padded with an identity block to its class's size (100 and 70 by Cholesky, 9
+    and 5 by eigendecomposition; 300 above `PAD_MAX_DIM` alone), an indefinite
+    one by the clamped eigendecomposition (70: Cholesky's fallback), a diagonal
+    one elementwise: each is (clamp(F) + shift·I)⁻¹."""
+    sizes = [5, 9, 3, 300, 4, 70, 100]
     factors = []
     for i, d in enumerate(sizes):
         k = jr.normal(jr.key(i), (d, d + 2), F64)
         factors.append(k @ k.T / d)
-    factors[0] = factors[0] - 2 * jnp.eye(5, dtype=F64)  # indefinite: Cholesky fails
+    factors[0] = factors[0] - 2 * jnp.eye(5, dtype=F64)  # indefinite
+    factors[5] = factors[5] - 2 * jnp.eye(70, dtype=F64)  # Cholesky fails
     factors[4] = jnp.diagonal(factors[4])  # a diagonal factor
-    shifts = [jnp.asarray(s, F64) for s in (0.1, 0.2, 0.3, 0.4, 0.5)]
+    shifts = [jnp.asarray(0.1 * (i + 1), F64) for i in range(len(sizes))]
     got = jax.jit(kronecker.shifted_inverses)(factors, shifts)
     for f, s, inv in zip(factors, shifts, got):
         if f.ndim == 1:

@@ -125,27 +125,57 @@ def _dense_shifted_inverses(axis_size, in_batched, factor, shift):
 # own size.
 PAD_MAX_DIM = 256
 
+# Factors up to this size are inverted through their clamped eigendecomposition:
+# one LAPACK call and no fallback, a quarter of the compile time of a Cholesky
+# inverse with its fallback, and at most 0.2 ms slower per factor and refresh
+# (benchmarks/RESULTS.md, "Issue 26, second session"). Above it the eigendecomposition
+# costs 3-5 times the Cholesky's run time.
+EIGH_MAX_DIM = 64
+
+
+@jax.custom_jvp
+def _small_shifted_inverse(factor: Array, shift: Array) -> Array:
+    return _eigh_inverse(_clamped_eigh(factor), shift)
+
+
+@_small_shifted_inverse.defjvp
+def _small_shifted_inverse_jvp(primals, tangents):
+    # d(M⁻¹) = −M⁻¹ dM M⁻¹, with M = factor + shift·I: no derivative of `eigh`,
+    # which is undefined where eigenvalues repeat.
+    inverse = _small_shifted_inverse(*primals)
+    d_factor, d_shift = tangents
+    d_m = d_factor + d_shift * jnp.eye(inverse.shape[-1], dtype=inverse.dtype)
+    return inverse, -inverse @ d_m @ inverse
+
 
 def _shifted_inverse(factor: Factor, shift: Array, eig: Eigh | None) -> Factor:
     # (factor + shift·I)⁻¹ for a PSD factor and shift > 0: from the cached
-    # eigendecomposition when there is one; else by Cholesky, falling back to the
-    # clamped eigendecomposition when rounding makes Cholesky fail (float32).
+    # eigendecomposition when there is one; for a small factor, from its clamped
+    # eigendecomposition; else by Cholesky, falling back to the clamped
+    # eigendecomposition when rounding makes Cholesky fail (float32).
     if factor.ndim == 1:
         return 1 / (jnp.maximum(factor, 0) + shift)
     if eig is not None:
         return _eigh_inverse(eig, shift)
-    return _dense_shifted_inverse(factor, shift)
+    return _matrix_inverse(factor.shape[0])(factor, shift)
+
+
+def _matrix_inverse(size: int):
+    """How a matrix factor of `size` is inverted (`_shifted_inverse`)."""
+    if size <= EIGH_MAX_DIM:
+        return _small_shifted_inverse
+    return _dense_shifted_inverse
 
 
 def shifted_inverses(factors: Sequence[Array], shifts: Sequence[Array]) -> list[Array]:
     """`(factor + shift·I)⁻¹` of each PSD factor (`_shifted_inverse`), the matrix
-    factors by size class, each class in one batched Cholesky (with the
-    eigendecomposition fallback of a stack, `_dense_shifted_inverse`): a factor is
-    padded with an identity block to the largest size in its class (the padded
-    matrix is block diagonal, so the top-left block of its inverse is the
-    factor's), which is at most twice its own, and its own above `PAD_MAX_DIM`.
-    One program per size class compiles several times faster than one per
-    factor."""
+    factors by size class, each class in one batched inverse (a Cholesky with the
+    eigendecomposition fallback of a stack, or for a class of size at most
+    `EIGH_MAX_DIM` the clamped eigendecomposition): a factor is padded with an
+    identity block to the largest size in its class (the padded matrix is block
+    diagonal, so the top-left block of its inverse is the factor's), which is at
+    most twice its own, and its own above `PAD_MAX_DIM`. One program per size
+    class compiles several times faster than one per factor."""
     out: list[Array | None] = [None] * len(factors)
     matrices = sorted(
         (i for i, f in enumerate(factors) if f.ndim == 2),
@@ -158,7 +188,7 @@ def shifted_inverses(factors: Sequence[Array], shifts: Sequence[Array]) -> list[
         matrices = [i for i in matrices if i not in members]
         padded = jnp.stack([_padded(factors[i], size) for i in members])
         shift = jnp.stack([jnp.asarray(shifts[i], padded.dtype) for i in members])
-        inverses = jax.vmap(_dense_shifted_inverse)(padded, shift)
+        inverses = jax.vmap(_matrix_inverse(size))(padded, shift)
         for k, i in enumerate(members):
             d = factors[i].shape[0]
             out[i] = inverses[k, :d, :d].astype(factors[i].dtype)
