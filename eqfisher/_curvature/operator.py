@@ -134,14 +134,25 @@ class Curvature(lx.AbstractLinearOperator):
         return leaves, treedef
 
     def _map(self, vector: PyTree, fn: Callable, method: str) -> PyTree:
+        """`fn(block, parts)` on each block and its parts of `vector`; the steps of
+        a stacked layer at once, by `jax.vmap` over the stored block and the
+        leading axis of its leaves (one program, not one per step)."""
         leaves, treedef = self._leaves(vector, method)
         out = list(leaves)
-        blocks = self.blocks
+        in_runs = {name for run in self.runs for name in run}
         for name, idx, sl in self._parts():
-            block = blocks[name]
+            if name in in_runs:
+                continue
+            block = self.stored[name]
             parts = tuple(leaves[i][k] if k else leaves[i] for i, k in zip(idx, sl))
             for i, k, x in zip(idx, sl, fn(block, parts)):
                 out[i] = out[i].at[k].set(x) if k else x
+        positions = {name: idx for name, idx in self.leaf_indices}
+        for run in self.runs:
+            n, idx = len(run), positions[run[0]]
+            parts = tuple(leaves[i][:n] for i in idx)
+            for i, x in zip(idx, jax.vmap(fn)(self.stored[run[0]], parts)):
+                out[i] = x if leaves[i].shape[0] == n else out[i].at[:n].set(x)
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def mv(self, vector: PyTree) -> PyTree:
