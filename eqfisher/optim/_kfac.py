@@ -17,6 +17,7 @@ from ._state import (
     check_preconditioner_args,
     check_range,
     checked_at,
+    choose_tree,
     like_mismatch,
     require_estimate,
     value_at,
@@ -90,7 +91,7 @@ def fold(
     def refreshed():
         new = _invert(avg, lam, damping)
         # An inverse that came out non-finite is not cached: the old one is kept.
-        return where_tree(all_finite(new), new, state.inverse)
+        return choose_tree(all_finite(new), new, state.inverse)
 
     inverse = jax.lax.cond(refresh, refreshed, lambda: state.inverse)
     return state._replace(

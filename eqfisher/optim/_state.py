@@ -180,12 +180,24 @@ def require_estimate(
 
 
 def all_finite(tree: PyTree) -> Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+    """Whether every element of every leaf is finite: one reduction over the leaves
+    concatenated, which XLA fuses into one kernel (a reduction per leaf is a
+    kernel each, about 7 ms of compile time apiece)."""
+    leaves = [jnp.ravel(x) for x in jax.tree_util.tree_leaves(tree)]
+    if not leaves:
+        return jnp.asarray(True)
+    dtype = jnp.result_type(*leaves)
+    return jnp.all(jnp.isfinite(jnp.concatenate([x.astype(dtype) for x in leaves])))
 
 
 def where_tree(cond: Array, new: PyTree, old: PyTree) -> PyTree:
     return jax.tree_util.tree_map(lambda a, b: jnp.where(cond, a, b), new, old)
+
+
+def choose_tree(cond: Array, new: PyTree, old: PyTree) -> PyTree:
+    """`new` where `cond` else `old`, for whole trees: a `lax.cond` that passes one
+    of them through (no kernel per leaf, as `where_tree`'s selects are)."""
+    return jax.lax.cond(cond, lambda: new, lambda: old)
 
 
 def curvature_like(fn: Callable, *args: Any, **kwargs: Any) -> Curvature:
