@@ -128,9 +128,9 @@ def kfac_adaptive(
                 lambda g, p: g + weight_decay * p, updates, params
             )
 
-        def fold_in(kstate, curvature, due):
+        def fold_in(kstate, curvature):
             lam = state.steps.damping
-            return fold(kstate, curvature, lam, decay, inverse_every, exact, due)
+            return fold(kstate, curvature, lam, decay, inverse_every, exact)
 
         updates, kstate = receive(
             caller, updates, state.kfac, curvature, curvature_due, fold_in

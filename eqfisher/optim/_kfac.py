@@ -53,12 +53,8 @@ def fold(
     decay: float,
     inverse_every: int,
     damping: AbstractDamping,
-    due: Array | None = None,
 ) -> KFACState:
-    """Averages `curvature` in and refreshes the cached inverse when due.
-
-    `due` (a traced bool, or None for True): whether `curvature` is an estimate;
-    where it is not, the state is unchanged (see `receive`)."""
+    """Averages `curvature` in and refreshes the cached inverse when due."""
     if jax.tree_util.tree_structure(curvature) != jax.tree_util.tree_structure(
         state.curvature
     ) or [jnp.shape(x) for x in jax.tree_util.tree_leaves(curvature)] != [
@@ -73,9 +69,6 @@ def fold(
             "function and model."
         )
     finite = all_finite(curvature)
-    rejected = ~finite
-    if due is not None:
-        finite, rejected = finite & due, rejected & due
     n_good = state.curvature_count + finite.astype(jnp.int32)
     # The time-varying decay makes this the bias-corrected average of each factor.
     t = n_good.astype(jnp.float32)
@@ -96,7 +89,7 @@ def fold(
     inverse = jax.lax.cond(refresh, refreshed, lambda: state.inverse)
     return state._replace(
         curvature_count=n_good,
-        nonfinite_count=state.nonfinite_count + rejected.astype(jnp.int32),
+        nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
         refresh_count=state.refresh_count + refresh.astype(jnp.int32),
         curvature=avg,
         inverse=inverse,
@@ -109,10 +102,10 @@ def receive(
     state: KFACState,
     curvature: Curvature | None,
     due: Array | None,
-    fold_in: Callable[[KFACState, Curvature, Array | None], KFACState],
+    fold_in: Callable[[KFACState, Curvature], KFACState],
 ) -> tuple[PyTree, KFACState]:
     """`(updates, state)` after an update's `curvature=` and `curvature_due=`:
-    `fold_in(state, curvature, due)` folds an estimate in; without one (no
+    `fold_in(state, curvature)` folds an estimate in; without one (no
     `curvature`, or `due` False) the updates are checked to follow an estimate
     (`require_estimate`)."""
     if curvature is None:
@@ -122,9 +115,13 @@ def receive(
                 "needs `curvature=`: the placeholder curvature it qualifies."
             )
         return require_estimate(caller, updates, state), state
-    if due is not None:
-        updates = require_estimate(caller, updates, state, unless=due)
-    return updates, fold_in(state, curvature, due)
+    if due is None:
+        return updates, fold_in(state, curvature)
+    updates = require_estimate(caller, updates, state, unless=due)
+    # Between estimates the average is passed through, not recomputed and selected.
+    return updates, jax.lax.cond(
+        due, lambda: fold_in(state, curvature), lambda: state
+    )
 
 
 def precondition(updates: PyTree, state: KFACState) -> PyTree:
@@ -298,9 +295,9 @@ def _preconditioner(
             like, damping_at(jnp.zeros((), jnp.int32)), damping_variant
         )
 
-    def fold_in(state, curvature, due):
+    def fold_in(state, curvature):
         lam = damping_at(state.count)
-        return fold(state, curvature, lam, decay, inverse_every, damping_variant, due)
+        return fold(state, curvature, lam, decay, inverse_every, damping_variant)
 
     def update(
         updates, state, params=None, *, curvature=None, curvature_due=None, **extra
