@@ -1,0 +1,101 @@
+"""First-call compile of one training step on the scanned GPT of
+`transformer_scale.py` (N blocks built with `eqx.filter_vmap`, applied with
+`lax.scan`): a value-and-gradient, an Adam step and `eqfisher.optim.kfac_step` at
+its defaults (Monte-Carlo Fisher, `KFAC()`), each from an empty compilation cache,
+by stage (trace, lowering, XLA), with the number of fused kernels XLA compiled.
+
+    python benchmarks/gpt_step_compile.py [--blocks 4 12] [--repeats 2]
+"""
+
+import argparse
+import os
+import platform
+import re
+import time
+
+import equinox as eqx
+import jax
+import optax
+from transformer_scale import gpt_loss, gpt_problem
+
+import eqfisher as ef
+
+
+def _stages(fn, *args) -> tuple[float, float, float, int]:
+    """Seconds to trace, lower and XLA-compile `jax.jit(fn)` on `args` from an empty
+    cache, and the compiled program's number of fusions."""
+    jax.clear_caches()
+    t0 = time.perf_counter()
+    traced = jax.jit(fn).trace(*args)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    fusions = len(re.findall(r" fusion\(", compiled.as_text()))
+    return t1 - t0, t2 - t1, t3 - t2, fusions
+
+
+def steps(n_blocks: int):
+    """`{name: (function, arguments)}` for the three training steps."""
+    model, batch = gpt_problem(n_blocks)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    key = jax.random.key(0)
+    estimator, structure = ef.FisherMC(), ef.KFAC()
+    vgc = ef.value_grad_and_curvature(
+        gpt_loss, estimator=estimator, structure=structure
+    )
+    opt = ef.optim.kfac(0.1, like=ef.optim.curvature_like(vgc, model, batch, key=key))
+    kfac = ef.optim.kfac_step(gpt_loss, opt, estimator=estimator, structure=structure)
+    adam = optax.adam(1e-3)
+
+    def value_and_grad(p, b):
+        return eqx.filter_value_and_grad(gpt_loss)(eqx.combine(p, static), b)
+
+    def adam_step(p, s, b):
+        grads = eqx.filter_grad(gpt_loss)(eqx.combine(p, static), b)
+        updates, s = adam.update(grads, s, p)
+        return eqx.apply_updates(p, updates), s
+
+    def kfac_step(p, s, b, k):
+        model, s, _ = kfac(eqx.combine(p, static), s, b, k)
+        return eqx.filter(model, eqx.is_inexact_array), s
+
+    return {
+        "value-and-grad": (value_and_grad, (params, batch)),
+        "Adam step": (adam_step, (params, adam.init(params), batch)),
+        "kfac_step": (kfac_step, (params, opt.init(params), batch, key)),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--blocks", type=int, nargs="*", default=[4, 12])
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, "
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        "\n| GPT blocks | step | compile s (trace / lower / XLA) | fused kernels | "
+        "/ value-and-grad |"
+    )
+    print("|---|---|---|---|---|")
+    for n in args.blocks:
+        base = None
+        for name, (fn, fn_args) in steps(n).items():
+            runs = [_stages(fn, *fn_args) for _ in range(args.repeats)]
+            t, lo, x, fusions = min(runs, key=lambda r: sum(r[:3]))
+            total = t + lo + x
+            base = base or total
+            print(
+                f"| {n} | {name} | {total:.2f} ({t:.2f} / {lo:.2f} / {x:.2f}) | "
+                f"{fusions} | {total / base:.1f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
