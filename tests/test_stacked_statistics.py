@@ -398,26 +398,29 @@ def test_batched_pi_damped_inverse_falls_back_per_step(eigh_max_dim, monkeypatch
 
 
 def test_shifted_inverses_by_size_class_equal_the_clamped_inverses():
-    """`kronecker.shifted_inverses` inverts matrix factors by size class, each
-    padded with an identity block to its class's size (100 and 70 by Cholesky, 9
-    and 5 by eigendecomposition; 300 above `PAD_MAX_DIM` alone), an indefinite
-    one by the clamped eigendecomposition (70: Cholesky's fallback), a diagonal
-    one elementwise: each is (clamp(F) + shift·I)⁻¹."""
+    """`kronecker.shifted_inverses` inverts stacks of matrix factors by size class,
+    each padded with an identity block to its class's size (100 and a stack of two
+    70s by Cholesky, 9 and 5 by eigendecomposition; 300 above `PAD_MAX_DIM`
+    alone), an indefinite one by the clamped eigendecomposition (a 70: Cholesky's
+    fallback), a diagonal one elementwise: each is (clamp(F) + shift·I)⁻¹."""
     sizes = [5, 9, 3, 300, 4, 70, 100]
     factors = []
     for i, d in enumerate(sizes):
-        k = jr.normal(jr.key(i), (d, d + 2), F64)
-        factors.append(k @ k.T / d)
-    factors[0] = factors[0] - 2 * jnp.eye(5, dtype=F64)  # indefinite
-    factors[5] = factors[5] - 2 * jnp.eye(70, dtype=F64)  # Cholesky fails
-    factors[4] = jnp.diagonal(factors[4])  # a diagonal factor
-    shifts = [jnp.asarray(0.1 * (i + 1), F64) for i in range(len(sizes))]
+        k = jr.normal(jr.key(i), (2, d, d + 2), F64)
+        factors.append(k @ jnp.swapaxes(k, 1, 2) / d)
+    factors[0] = factors[0] - 2 * jnp.eye(5, dtype=F64)[None]  # indefinite
+    factors[5] = factors[5].at[1].add(-2 * jnp.eye(70, dtype=F64))  # Cholesky fails
+    factors[4] = jnp.diagonal(factors[4], axis1=1, axis2=2)  # diagonal factors
+    factors = [f if i in (5, 6) else f[:1] for i, f in enumerate(factors)]
+    shifts = [jnp.full(f.shape[:1], 0.1 * (i + 1), F64) for i, f in enumerate(factors)]
     got = jax.jit(kronecker.shifted_inverses)(factors, shifts)
-    for f, s, inv in zip(factors, shifts, got):
-        if f.ndim == 1:
-            np.testing.assert_allclose(inv, 1 / (np.maximum(f, 0) + s), rtol=1e-12)
-            continue
-        values, vectors = np.linalg.eigh(np.asarray(f))
-        want = (vectors / (np.maximum(values, 0) + float(s))) @ vectors.T
-        assert inv.shape == f.shape and inv.dtype == f.dtype
-        np.testing.assert_allclose(inv, want, rtol=1e-9, atol=1e-10)
+    for stack, shift, inverses in zip(factors, shifts, got):
+        assert inverses.shape == stack.shape and inverses.dtype == stack.dtype
+        for f, s, inv in zip(stack, shift, inverses):
+            if f.ndim == 1:
+                want = 1 / (np.maximum(f, 0) + float(s))
+                np.testing.assert_allclose(inv, want, rtol=1e-12)
+                continue
+            values, vectors = np.linalg.eigh(np.asarray(f))
+            want = (vectors / (np.maximum(values, 0) + float(s))) @ vectors.T
+            np.testing.assert_allclose(inv, want, rtol=1e-9, atol=1e-10)

@@ -168,40 +168,48 @@ def _matrix_inverse(size: int):
 
 
 def shifted_inverses(factors: Sequence[Array], shifts: Sequence[Array]) -> list[Array]:
-    """`(factor + shift·I)⁻¹` of each PSD factor (`_shifted_inverse`), the matrix
-    factors by size class, each class in one batched inverse (a Cholesky with the
-    eigendecomposition fallback of a stack, or for a class of size at most
-    `EIGH_MAX_DIM` the clamped eigendecomposition): a factor is padded with an
-    identity block to the largest size in its class (the padded matrix is block
-    diagonal, so the top-left block of its inverse is the factor's), which is at
-    most twice its own, and its own above `PAD_MAX_DIM`. One program per size
-    class compiles several times faster than one per factor."""
+    """`(factor + shift·I)⁻¹` of stacks of PSD factors (`_shifted_inverse` on each):
+    every factor has a leading stack axis, `(k, d, d)` for matrices, `(k, d)` for
+    diagonals, its shifts `(k,)`.
+
+    The matrices are inverted by size class, each class in one batched inverse (a
+    Cholesky with the eigendecomposition fallback of a stack, or for a class of
+    size at most `EIGH_MAX_DIM` the clamped eigendecomposition): a matrix is padded
+    with an identity block to the largest size in its class (the padded matrix is
+    block diagonal, so the top-left block of its inverse is the factor's), which
+    is at most twice its own, and its own above `PAD_MAX_DIM`. One program per
+    size class compiles several times faster than one per factor."""
     out: list[Array | None] = [None] * len(factors)
     matrices = sorted(
-        (i for i, f in enumerate(factors) if f.ndim == 2),
-        key=lambda i: -factors[i].shape[0],
+        (i for i, f in enumerate(factors) if f.ndim == 3),
+        key=lambda i: -factors[i].shape[-1],
     )
     while matrices:  # the largest left, and those it pads
-        size = factors[matrices[0]].shape[0]
+        size = factors[matrices[0]].shape[-1]
         least = size if size > PAD_MAX_DIM else (size + 1) // 2
-        members = [i for i in matrices if factors[i].shape[0] >= least]
+        members = [i for i in matrices if factors[i].shape[-1] >= least]
         matrices = [i for i in matrices if i not in members]
-        padded = jnp.stack([_padded(factors[i], size) for i in members])
-        shift = jnp.stack([jnp.asarray(shifts[i], padded.dtype) for i in members])
+        dtype = jnp.result_type(*(factors[i] for i in members))
+        padded = jnp.concatenate([_padded(factors[i], size, dtype) for i in members])
+        shift = jnp.concatenate([jnp.asarray(shifts[i], dtype) for i in members])
         inverses = jax.vmap(_matrix_inverse(size))(padded, shift)
-        for k, i in enumerate(members):
-            d = factors[i].shape[0]
-            out[i] = inverses[k, :d, :d].astype(factors[i].dtype)
+        start = 0
+        for i in members:
+            k, d = factors[i].shape[:2]
+            out[i] = inverses[start : start + k, :d, :d].astype(factors[i].dtype)
+            start += k
     return [
-        _shifted_inverse(f, s, None) if o is None else o
+        1 / (jnp.maximum(f, 0) + s[:, None]) if o is None else o
         for f, s, o in zip(factors, shifts, out)
     ]
 
 
-def _padded(factor: Array, size: int) -> Array:
-    """`factor` in the top-left corner of a `size`-square identity."""
-    eye = jnp.eye(size, dtype=factor.dtype)
-    return eye.at[: factor.shape[0], : factor.shape[0]].set(factor)
+def _padded(factors: Array, size: int, dtype) -> Array:
+    """Each of the stacked `factors` in the top-left corner of a `size`-square
+    identity."""
+    k, d = factors.shape[:2]
+    eye = jnp.broadcast_to(jnp.eye(size, dtype=dtype), (k, size, size))
+    return eye.at[:, :d, :d].set(factors.astype(dtype))
 
 
 class KroneckerFactored(AbstractBlock):

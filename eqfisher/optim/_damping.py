@@ -9,6 +9,7 @@ import abc
 import functools
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import ScalarLike
 
@@ -235,29 +236,31 @@ class FactoredTikhonov(AbstractDamping):
         return _factored_inverse(block, damping)
 
     def invert(self, curvature: Curvature, damping: ScalarLike) -> Curvature:
-        """As `precompute` on every block, with the factors of the K-FAC blocks
-        outside stacked layers inverted together, by size class
-        (`blocks.kronecker.shifted_inverses`): one program per size class
-        instead of one per factor."""
+        """As `precompute` on every block, with the factors of all K-FAC blocks
+        (those of stacked layers too) inverted together, by size class
+        (`blocks.kronecker.shifted_inverses`): one program per size class instead
+        of one per factor."""
         stacked = {run[0] for run in curvature.runs}
-        together = {
-            k: b
-            for k, b in curvature.stored.items()
-            if k not in stacked and _inverted_together(b)
-        }
+        together = {k: b for k, b in curvature.stored.items() if _inverted_together(b)}
         rest = [k for k in curvature.stored if k not in together]
         out = curvature.map_blocks(lambda b: self.precompute(b, damping), rest)
         factors, shifts = [], []
-        for b in together.values():
+        for name, b in together.items():
+            if name not in stacked:  # a stack of one
+                b = jax.tree_util.tree_map(lambda x: x[None], b)
             factors += [b.a, b.g]
-            shifts += b.pi_damping_shifts(damping)
-        inverses = shifted_inverses(factors, shifts)
+            shifts += jax.vmap(lambda b: b.pi_damping_shifts(damping))(b)
+        inverses = iter(shifted_inverses(factors, shifts))
         stored = dict(out.stored)
-        for k, (name, b) in enumerate(together.items()):
-            stored[name] = KroneckerFactored(
-                inverses[2 * k],
-                inverses[2 * k + 1],
-                weight_perm=b.weight_perm,
-                structure=b.structure,
-            )
+        for name, b in together.items():
+
+            def block(a, g, b=b):
+                return KroneckerFactored(
+                    a, g, weight_perm=b.weight_perm, structure=b.structure
+                )
+
+            new = jax.vmap(block)(next(inverses), next(inverses))
+            if name not in stacked:
+                new = jax.tree_util.tree_map(lambda x: x[0], new)
+            stored[name] = new
         return eqx.tree_at(lambda c: c.stored, out, stored)

@@ -119,9 +119,7 @@ def receive(
         return updates, fold_in(state, curvature)
     updates = require_estimate(caller, updates, state, unless=due)
     # Between estimates the average is passed through, not recomputed and selected.
-    return updates, jax.lax.cond(
-        due, lambda: fold_in(state, curvature), lambda: state
-    )
+    return updates, jax.lax.cond(due, lambda: fold_in(state, curvature), lambda: state)
 
 
 def precondition(updates: PyTree, state: KFACState) -> PyTree:
