@@ -35,7 +35,9 @@ def _data(seed: int):
     """Train and test splits, the inputs and the target standardised by the
     training split's mean and deviation."""
     x, y = load_diabetes(return_X_y=True)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.25, random_state=seed)
+    x_tr, x_te, y_tr, y_te = map(
+        np.asarray, train_test_split(x, y, test_size=0.25, random_state=seed)
+    )
     mean, std = x_tr.mean(0), x_tr.std(0)
     y_mean, y_std = y_tr.mean(), y_tr.std()
 

@@ -163,6 +163,7 @@ class Builder(eqx.Module):
         _check_examples(lin.losses, self.caller)
         grads = None
         if lin.grad_vjp is not None:  # with `value_and_grad`
+            assert cotangent_fn is not None, "value_and_grad needs a cotangent_fn"
             # The gradient and the curvature vectors are pulled back separately:
             # batching them would also compute K unused weight gradients, which
             # XLA cannot remove from a batched product.

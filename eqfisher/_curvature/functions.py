@@ -203,8 +203,9 @@ def value_grad_then_curvature(
         def curvature() -> Curvature:
             return builder.curvature(forward, key)[0]
 
-        loss = forward.lin.program_outputs[0]
-        return loss, _like_params(model, forward.grads), curvature
+        outputs = forward.lin.program_outputs
+        assert outputs is not None  # linearised with `value_and_grad`
+        return outputs[0], _like_params(model, forward.grads), curvature
 
     return fn
 

@@ -7,6 +7,7 @@ preconditioning is then that block's `mv` (every step).
 
 import abc
 import functools
+from typing import cast
 
 import equinox as eqx
 import jax
@@ -241,7 +242,11 @@ class FactoredTikhonov(AbstractDamping):
         (`blocks.kronecker.shifted_inverses`): one program per size class instead
         of one per factor."""
         stacked = {run[0] for run in curvature.runs}
-        together = {k: b for k, b in curvature.stored.items() if _inverted_together(b)}
+        together = {
+            k: cast(KroneckerFactored, b)
+            for k, b in curvature.stored.items()
+            if _inverted_together(b)
+        }
         rest = [k for k in curvature.stored if k not in together]
         out = curvature.map_blocks(lambda b: self.precompute(b, damping), rest)
         factors, shifts = [], []
