@@ -10,30 +10,14 @@ by stage (trace, lowering, XLA), with the number of fused kernels XLA compiled.
 import argparse
 import os
 import platform
-import re
-import time
 
 import equinox as eqx
 import jax
 import optax
+from kfac_defaults import compile_stages
 from transformer_scale import gpt_loss, gpt_problem
 
 import eqfisher as ef
-
-
-def _stages(fn, *args) -> tuple[float, float, float, int]:
-    """Seconds to trace, lower and XLA-compile `jax.jit(fn)` on `args` from an empty
-    cache, and the compiled program's number of fusions."""
-    jax.clear_caches()
-    t0 = time.perf_counter()
-    traced = jax.jit(fn).trace(*args)
-    t1 = time.perf_counter()
-    lowered = traced.lower()
-    t2 = time.perf_counter()
-    compiled = lowered.compile()
-    t3 = time.perf_counter()
-    fusions = len(re.findall(r" fusion\(", compiled.as_text()))
-    return t1 - t0, t2 - t1, t3 - t2, fusions
 
 
 def steps(n_blocks: int):
@@ -86,7 +70,7 @@ def main():
     for n in args.blocks:
         base = None
         for name, (fn, fn_args) in steps(n).items():
-            runs = [_stages(fn, *fn_args) for _ in range(args.repeats)]
+            runs = [compile_stages(fn, *fn_args) for _ in range(args.repeats)]
             t, lo, x, fusions = min(runs, key=lambda r: sum(r[:3]))
             total = t + lo + x
             base = base or total

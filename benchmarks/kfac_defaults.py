@@ -32,6 +32,7 @@ these problems, steps to the target and non-finite runs).
 import argparse
 import os
 import platform
+import re
 import time
 
 import equinox as eqx
@@ -304,17 +305,19 @@ def _machine() -> str:
     )
 
 
-def _stages(fn, *args) -> tuple[float, float, float]:
+def compile_stages(fn, *args) -> tuple[float, float, float, int]:
     """Seconds to trace, lower and XLA-compile `jax.jit(fn)` on `args`, from an
-    empty compilation cache."""
+    empty compilation cache, and the number of fused kernels XLA compiled."""
     jax.clear_caches()
     t0 = time.perf_counter()
     traced = jax.jit(fn).trace(*args)
     t1 = time.perf_counter()
     lowered = traced.lower()
     t2 = time.perf_counter()
-    lowered.compile()
-    return t1 - t0, t2 - t1, time.perf_counter() - t2
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    fusions = len(re.findall(r" fusion\(", compiled.as_text()))
+    return t1 - t0, t2 - t1, t3 - t2, fusions
 
 
 def compile_times(problems, repeats: int = 3):
@@ -345,7 +348,7 @@ def compile_times(problems, repeats: int = 3):
             times[kind] = (step.__wrapped__, (params, state, idx, key, lr))
         best = {}
         for kind, (fn, args) in times.items():
-            runs = [_stages(fn, *args) for _ in range(repeats)]
+            runs = [compile_stages(fn, *args)[:3] for _ in range(repeats)]
             best[kind] = min(runs, key=sum)
         vgc = ef.value_grad_and_curvature(
             loss_fn, estimator=ef.FisherMC(samples=1), structure=ef.KFAC()
