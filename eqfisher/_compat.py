@@ -81,23 +81,12 @@ def call_body_of(body: Any) -> tuple[Jaxpr, list[Any]] | None:
     return inner, consts
 
 
-def _sub_jaxprs(value: Any) -> list[Jaxpr]:
+def sub_jaxprs(value: Any) -> list[Jaxpr]:
     """The jaxprs inside an equation parameter (a body, or a tuple of branches)."""
     if isinstance(value, (tuple, list)):
-        return [j for v in value for j in _sub_jaxprs(v)]
+        return [j for v in value for j in sub_jaxprs(v)]
     inner = getattr(value, "jaxpr", value)
     return [inner] if isinstance(inner, Jaxpr) else []
-
-
-def primitive_names(fn: Callable, *args: Any) -> frozenset[str]:
-    """The names of every primitive `fn(*args)` runs, inside every nested body."""
-    names, todo = set(), [jax.make_jaxpr(fn)(*args).jaxpr]
-    while todo:
-        for eqn in todo.pop().eqns:
-            names.add(eqn.primitive.name)
-            for value in eqn.params.values():
-                todo.extend(_sub_jaxprs(value))
-    return frozenset(names)
 
 
 def scan_counts(eqn: JaxprEqn) -> tuple[int, int]:

@@ -20,7 +20,7 @@ def _eqns(jaxpr):
     for eqn in jaxpr.eqns:
         yield eqn
         for value in eqn.params.values():
-            for sub in _compat._sub_jaxprs(value):
+            for sub in _compat.sub_jaxprs(value):
                 yield from _eqns(sub)
 
 
