@@ -5,6 +5,7 @@ its defaults (Monte-Carlo Fisher, `KFAC()`), each from an empty compilation cach
 by stage (trace, lowering, XLA), with the number of fused kernels XLA compiled.
 
     python benchmarks/gpt_step_compile.py [--blocks 4 12] [--repeats 2]
+    python benchmarks/gpt_step_compile.py --max-inverse-dim none   # factors whole
 """
 
 import argparse
@@ -14,14 +15,15 @@ import platform
 import equinox as eqx
 import jax
 import optax
-from kfac_defaults import compile_stages
+from kfac_defaults import compile_stages, inverse_dim_options
 from transformer_scale import gpt_loss, gpt_problem
 
 import eqfisher as ef
 
 
-def steps(n_blocks: int):
-    """`{name: (function, arguments)}` for the three training steps."""
+def steps(n_blocks: int, options: dict):
+    """`{name: (function, arguments)}` for the three training steps; `options` go to
+    `ef.optim.kfac`."""
     model, batch = gpt_problem(n_blocks)
     params, static = eqx.partition(model, eqx.is_inexact_array)
     key = jax.random.key(0)
@@ -29,7 +31,8 @@ def steps(n_blocks: int):
     vgc = ef.value_grad_and_curvature(
         gpt_loss, estimator=estimator, structure=structure
     )
-    opt = ef.optim.kfac(0.1, like=ef.optim.curvature_like(vgc, model, batch, key=key))
+    like = ef.optim.curvature_like(vgc, model, batch, key=key)
+    opt = ef.optim.kfac(0.1, like=like, **options)
     kfac = ef.optim.kfac_step(gpt_loss, opt, estimator=estimator, structure=structure)
     adam = optax.adam(1e-3)
 
@@ -56,7 +59,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--blocks", type=int, nargs="*", default=[4, 12])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--max-inverse-dim",
+        default=None,
+        help="FactoredTikhonov's max_inverse_dim: an integer or 'none' "
+        "(default: its default)",
+    )
     args = parser.parse_args()
+    options = inverse_dim_options(args.max_inverse_dim)
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, "
         f"{jax.devices()[0].device_kind}, jax {jax.__version__}, "
@@ -69,7 +79,7 @@ def main():
     print("|---|---|---|---|---|")
     for n in args.blocks:
         base = None
-        for name, (fn, fn_args) in steps(n).items():
+        for name, (fn, fn_args) in steps(n, options).items():
             runs = [compile_stages(fn, *fn_args) for _ in range(args.repeats)]
             t, lo, x, fusions = min(runs, key=lambda r: sum(r[:3]))
             total = t + lo + x

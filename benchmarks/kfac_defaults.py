@@ -23,6 +23,7 @@ A run is non-finite when the loss or a parameter becomes NaN/inf.
     OPENBLAS_NUM_THREADS=1 python benchmarks/kfac_defaults.py
     python benchmarks/kfac_defaults.py --per-step        # ms per step (min of 3 × 40)
     python benchmarks/kfac_defaults.py --compile         # first-call compile, by stage
+    python benchmarks/kfac_defaults.py --max-inverse-dim none   # wide factors whole
 
 The defaults themselves were chosen by `benchmarks/kfac_grid.py` (every configuration
 of damping, norm constraint, momentum, inverse_every and curvature_update_period on
@@ -296,6 +297,15 @@ def compare(max_steps, seed, problems, options):
     )
 
 
+def inverse_dim_options(value: str | None) -> dict:
+    """`ef.optim.kfac` options for a `--max-inverse-dim` argument: none for its
+    default, else the damping variant with that `max_inverse_dim` ('none': None)."""
+    if value is None:
+        return {}
+    dim = None if value.lower() == "none" else int(value)
+    return {"damping_variant": ef.optim.FactoredTikhonov(max_inverse_dim=dim)}
+
+
 def _machine() -> str:
     return (
         f"machine: {platform.machine()}, {os.cpu_count()} cores, "
@@ -320,7 +330,7 @@ def compile_stages(fn, *args) -> tuple[float, float, float, int]:
     return t1 - t0, t2 - t1, t3 - t2, fusions
 
 
-def compile_times(problems, repeats: int = 3):
+def compile_times(problems, options: dict, repeats: int = 3):
     """First-call compile of one training step, by stage (best of `repeats`): a
     value-and-gradient, Adam, Muon, K-FAC (`kfac_step` at its defaults), and the
     K-FAC optimiser's `init` run eagerly, as a user calls it."""
@@ -343,7 +353,8 @@ def compile_times(problems, repeats: int = 3):
 
         times = {"vg": (value_and_grad, (params, idx))}
         for kind in ("adam", "muon", "kfac"):
-            state, step = make_steps(kind, model, x, y, loss_fn, sample, key, {})
+            extra = dict(options) if kind == "kfac" else {}
+            state, step = make_steps(kind, model, x, y, loss_fn, sample, key, extra)
             # The jitted step's Python function: compiled here by stage.
             times[kind] = (step.__wrapped__, (params, state, idx, key, lr))
         best = {}
@@ -384,7 +395,7 @@ def _ms_per_step(step, state, params, idx, keys, lr) -> float:
     return best_ms
 
 
-def per_step(problems, periods=(1, 2, 4)):
+def per_step(problems, options: dict, periods=(1, 2, 4)):
     """Steady-state milliseconds per training step: a value-and-gradient, Adam,
     Muon, and K-FAC at each period; and the two ratios of the per-step targets: a
     step without statistics (from periods 1 and 4: (4·t₄ − t₁) / 3) against Adam's,
@@ -422,10 +433,10 @@ def per_step(problems, periods=(1, 2, 4)):
         ms = {"vg": _ms_per_step(value_and_grad, 0, params, idx, keys, lr)}
         runs = [("adam", None), ("muon", None)] + [("kfac", k) for k in periods]
         for kind, period in runs:
-            options = {} if period is None else {"curvature_update_period": period}
-            state, step = make_steps(
-                kind, model, x, y, loss_fn, sample, keys[0], options
+            extra = (
+                {} if period is None else {**options, "curvature_update_period": period}
             )
+            state, step = make_steps(kind, model, x, y, loss_fn, sample, keys[0], extra)
             ms[(kind, period)] = _ms_per_step(step, state, params, idx, keys, lr)
         t1, t4 = ms[("kfac", 1)], ms[("kfac", 4)]
         cells = [ms["vg"], ms[("adam", None)], ms[("muon", None)]]
@@ -451,20 +462,28 @@ def main():
         help="kfac_step's (default: its default)",
     )
     parser.add_argument(
+        "--max-inverse-dim",
+        default=None,
+        help="FactoredTikhonov's max_inverse_dim: an integer or 'none' "
+        "(default: its default)",
+    )
+    parser.add_argument(
         "--per-step", action="store_true", help="milliseconds per step only"
     )
     parser.add_argument(
         "--compile", action="store_true", help="first-call compile times only"
     )
     args = parser.parse_args()
+    options = inverse_dim_options(args.max_inverse_dim)
     if args.per_step:
-        per_step(args.problems)
+        per_step(args.problems, options)
         return
     if args.compile:
-        compile_times(args.problems)
+        compile_times(args.problems, options)
         return
     period = args.curvature_update_period
-    options = {} if period is None else {"curvature_update_period": period}
+    if period is not None:
+        options["curvature_update_period"] = period
     compare(args.max_steps, args.seed, args.problems, options)
 
 

@@ -500,8 +500,11 @@ class _Scanned(eqx.Module):
         return self.head(h)
 
 
+@pytest.mark.parametrize("max_inverse_dim", [256, 8])
 @pytest.mark.parametrize("max_factor_dim", [None, 10])
-def test_factored_inverse_of_all_blocks_at_once_equals_block_by_block(max_factor_dim):
+def test_factored_inverse_of_all_blocks_at_once_equals_block_by_block(
+    max_factor_dim, max_inverse_dim
+):
     # `FactoredTikhonov.invert` inverts the K-FAC blocks' factors by size class,
     # each padded with an identity block to its class's size (21, 20, 4, 2 here,
     # and a stacked layer's steps, vmapped): the same as block by block, in float64.
@@ -516,13 +519,78 @@ def test_factored_inverse_of_all_blocks_at_once_equals_block_by_block(max_factor
         structure=ef.KFAC(max_factor_dim=max_factor_dim),
     )
     assert curv.runs  # the stacked layer's steps are one stored block
-    damping = optim.FactoredTikhonov()
+    damping = optim.FactoredTikhonov(max_inverse_dim=max_inverse_dim)
     for lam in (1e-3, 0.3):
         together = damping.invert(curv, jnp.asarray(lam, F64))
         one_by_one = curv.map_blocks(lambda b, lam=lam: damping.precompute(b, lam))
         assert jax.tree.structure(together) == jax.tree.structure(one_by_one)
         for a, b in zip(jax.tree.leaves(together), jax.tree.leaves(one_by_one)):
             np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_wide_factors_are_inverted_as_their_block_diagonal():
+    # FactoredTikhonov(max_inverse_dim=8): the 21-wide input factors (the stacked
+    # layer's and the head's) are inverted as three 7-wide diagonal blocks, each
+    # shifted by the whole factor's π√λ; factors of at most 8 whole. By hand, in
+    # float64, for the plain and the stacked block, through the optimiser's update.
+    x = jax.random.normal(jax.random.key(2), (32, 3), F64)
+    batch = (x, (x[:, 0] > 0).astype(jnp.int32))
+    model = _Scanned(jax.random.key(0))
+    curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+    lam = jnp.asarray(1e-2, F64)
+    damping = optim.FactoredTikhonov(max_inverse_dim=8)
+    inverse = damping.invert(curv, lam)
+
+    def by_hand(block):
+        shift_a, shift_g = block.pi_damping_shifts(lam)
+        a = jnp.zeros_like(block.a)
+        for s in (0, 7, 14):
+            piece = block.a[s : s + 7, s : s + 7] + shift_a * jnp.eye(7, dtype=F64)
+            a = a.at[s : s + 7, s : s + 7].set(jnp.linalg.inv(piece))
+        eye = jnp.eye(block.g.shape[0], dtype=F64)
+        g = jnp.linalg.inv(block.g + shift_g * eye) if block.g.shape[0] <= 8 else None
+        return a, g
+
+    head, got = curv.stored["head"], inverse.stored["head"]
+    a, g = by_hand(head)
+    np.testing.assert_allclose(got.a, a, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got.g, g, rtol=1e-10, atol=1e-12)
+    stack, got = curv.stored["stack[0]"], inverse.stored["stack[0]"]
+    for i in range(3):
+        step = jax.tree.map(lambda x, i=i: x[i], stack)
+        a, _ = by_hand(step)
+        np.testing.assert_allclose(got.a[i], a, rtol=1e-10, atol=1e-12)
+        # G (20 wide) too: 7, 7 and 6.
+        shift_g = step.pi_damping_shifts(lam)[1]
+        for s, n in ((0, 7), (7, 7), (14, 6)):
+            piece = step.g[s : s + n, s : s + n] + shift_g * jnp.eye(n, dtype=F64)
+            np.testing.assert_allclose(
+                got.g[i, s : s + n, s : s + n], jnp.linalg.inv(piece), rtol=1e-10
+            )
+        assert not jnp.any(got.g[i, :7, 7:])
+    # The optimiser preconditions with it.
+    params = eqx.filter(model, eqx.is_inexact_array)
+    _, grads, _ = ef.value_grad_and_curvature(
+        loss_fn, estimator=ef.GGN(), structure=ef.KFAC()
+    )(model, batch)
+    pre = optim.kfac_preconditioner(
+        like=curv, damping=1e-2, damping_variant=damping, norm_constraint=None
+    )
+    direction, _ = pre.update(grads, pre.init(params), params, curvature=curv)
+    expected = inverse.mv(grads)
+    for u, v in zip(jax.tree.leaves(direction), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(u, v, rtol=1e-9, atol=1e-12)
+    whole = optim.FactoredTikhonov(max_inverse_dim=None).invert(curv, lam)
+    assert not np.allclose(whole.stored["head"].a, inverse.stored["head"].a)
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 2.5, "256"])
+def test_max_inverse_dim_must_be_a_positive_integer_or_none(bad):
+    # Values are the library's check; other types are also refused by the runtime
+    # type check where it is on (the tests), with a TypeError.
+    error = ValueError if isinstance(bad, int) else (ValueError, TypeError)
+    with pytest.raises(error, match="max_inverse_dim"):
+        optim.FactoredTikhonov(max_inverse_dim=bad)
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
