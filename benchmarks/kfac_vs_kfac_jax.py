@@ -26,7 +26,8 @@ kfac_jax is not a dependency of eqfisher; run this in its own environment (kfac_
     OPENBLAS_NUM_THREADS=1 /tmp/kfacjax-venv/bin/python benchmarks/kfac_vs_kfac_jax.py
 
 `--kfac-jax-grid best` runs kfac_jax only near the full grid's best configuration
-(8 runs instead of 240), for a rerun in a few minutes.
+(8 runs instead of 240), for a rerun in a few minutes; `--max-inverse-dim none`
+inverts eqfisher's 513-wide factors whole (its default splits them in three).
 """
 
 import argparse
@@ -40,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import kfac_jax
 import numpy as np
+from kfac_defaults import inverse_dim_options
 from sklearn.datasets import load_digits
 
 import eqfisher as ef
@@ -126,9 +128,10 @@ def warm(step, state, params, indices, keys):
     return time.perf_counter() - t0
 
 
-def eqfisher_runs(model, x, y, indices, keys, max_steps, periods=None):
+def eqfisher_runs(model, x, y, indices, keys, max_steps, periods=None, options=None):
     """eqfisher's runs: at its defaults, learning rate swept, or (with `periods`,
-    `(curvature_update_period, inverse_every)` pairs) also over those."""
+    `(curvature_update_period, inverse_every)` pairs) also over those; `options`
+    go to `ef.optim.kfac`."""
     params, static = eqx.partition(model, eqx.is_inexact_array)
     estimator, structure = ef.FisherMC(samples=1), ef.KFAC()
     vgc = ef.value_grad_and_curvature(
@@ -138,9 +141,10 @@ def eqfisher_runs(model, x, y, indices, keys, max_steps, periods=None):
     full_loss = eqx.filter_jit(lambda p: eqfisher_loss(eqx.combine(p, static), (x, y)))
     rows = []
     for lr, period in itertools.product(EQFISHER_LRS, periods or [None]):
-        opt = ef.optim.kfac(
-            lr, like=like, **({} if period is None else dict(inverse_every=period[1]))
-        )
+        extra = dict(options or {})
+        if period is not None:
+            extra["inverse_every"] = period[1]
+        opt = ef.optim.kfac(lr, like=like, **extra)
         one = ef.optim.kfac_step(
             eqfisher_loss,
             opt,
@@ -246,7 +250,14 @@ def main():
         help="tune eqfisher too: curvature_update_period,inverse_every pairs, "
         "e.g. 4,5 5,5 5,10 (default: eqfisher at its defaults)",
     )
+    parser.add_argument(
+        "--max-inverse-dim",
+        default=None,
+        help="eqfisher's FactoredTikhonov max_inverse_dim: an integer or 'none' "
+        "(default: its default)",
+    )
     args = parser.parse_args()
+    options = inverse_dim_options(args.max_inverse_dim)
     periods = (
         [tuple(int(v) for v in p.split(",")) for p in args.eqfisher_periods]
         if args.eqfisher_periods
@@ -267,7 +278,7 @@ def main():
         np.stack([rng.choice(x.shape[0], BATCH, replace=False) for _ in range(steps)])
     )
     keys = jax.random.split(jax.random.key(args.seed + 1), steps)
-    ours = eqfisher_runs(model, x, y, indices, keys, args.max_steps, periods)
+    ours = eqfisher_runs(model, x, y, indices, keys, args.max_steps, periods, options)
     theirs = kfac_jax_runs(model, x, y, indices, keys, args.max_steps, grid)
     o, t = best(ours), best(theirs)
     print("\n| library | best run | steps | seconds | non-finite runs | compile s |")

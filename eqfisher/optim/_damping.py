@@ -217,15 +217,16 @@ class FactoredTikhonov(AbstractDamping):
     A factor wider than `max_inverse_dim` is inverted as its block diagonal: its
     diagonal blocks, as equal as can be and none wider than `max_inverse_dim`, each
     damped and inverted alone (distributed Shampoo's block partitioning). A
-    1,025-input factor then costs five 205-wide Cholesky inverses instead of one
-    1,025-wide one, about a twentieth of the time; $\pi$ is still that of the whole
+    1,025-input factor then costs a 513- and a 512-wide Cholesky inverse instead of
+    one 1,025-wide one, less than half the time; $\pi$ is still that of the whole
     factors. A block whose eigendecompositions are cached (`precompute()`) is
     inverted whole, from them.
 
     **Fields:**
 
-    - `max_inverse_dim`: the widest factor inverted whole (default 256, from
-      `benchmarks/RESULTS.md`, "Wide factors"), or `None`: every factor whole.
+    - `max_inverse_dim`: the widest factor inverted whole (default 1024, from
+      the grid in `benchmarks/RESULTS.md`, "Issue 26, third session"), or `None`:
+      every factor whole.
 
     **Raises:**
 
@@ -261,7 +262,7 @@ class FactoredTikhonov(AbstractDamping):
         ```
     """
 
-    max_inverse_dim: int | None = 256
+    max_inverse_dim: int | None = 1024
 
     def __check_init__(self):
         dim = self.max_inverse_dim

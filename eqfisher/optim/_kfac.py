@@ -336,7 +336,7 @@ def kfac(
     - `like`, `damping`, `decay`, `inverse_every`, `damping_variant`,
       `norm_constraint`: see `kfac_preconditioner`. The defaults: `damping=1e-3`,
       `momentum=0`, `decay=0.95`, `inverse_every=5`, `FactoredTikhonov()`
-      (π-damping; factors wider than 256 inverted by their diagonal blocks),
+      (π-damping; factors wider than 1024 inverted by their diagonal blocks),
       `norm_constraint=1e-2` (chosen by `benchmarks/kfac_defaults.py`).
     - `momentum`: heavy-ball momentum on the preconditioned direction (0 for none).
     - `weight_decay`: added to the preconditioned direction, decoupled as in AdamW.
