@@ -15,7 +15,7 @@ import platform
 import equinox as eqx
 import jax
 import optax
-from kfac_defaults import compile_stages, inverse_dim_options
+from kfac_defaults import add_inverse_dim_argument, compile_stages, inverse_dim_options
 from transformer_scale import gpt_loss, gpt_problem
 
 import eqfisher as ef
@@ -59,12 +59,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--blocks", type=int, nargs="*", default=[4, 12])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument(
-        "--max-inverse-dim",
-        default=None,
-        help="FactoredTikhonov's max_inverse_dim: an integer or 'none' "
-        "(default: its default)",
-    )
+    add_inverse_dim_argument(parser)
     args = parser.parse_args()
     options = inverse_dim_options(args.max_inverse_dim)
     print(

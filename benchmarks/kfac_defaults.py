@@ -297,6 +297,16 @@ def compare(max_steps, seed, problems, options):
     )
 
 
+def add_inverse_dim_argument(parser: argparse.ArgumentParser) -> None:
+    """`--max-inverse-dim N|none`, read by `inverse_dim_options`."""
+    parser.add_argument(
+        "--max-inverse-dim",
+        default=None,
+        help="eqfisher's FactoredTikhonov max_inverse_dim: an integer or 'none' "
+        "(default: its default)",
+    )
+
+
 def inverse_dim_options(value: str | None) -> dict:
     """`ef.optim.kfac` options for a `--max-inverse-dim` argument: none for its
     default, else the damping variant with that `max_inverse_dim` ('none': None)."""
@@ -461,12 +471,7 @@ def main():
         default=None,
         help="kfac_step's (default: its default)",
     )
-    parser.add_argument(
-        "--max-inverse-dim",
-        default=None,
-        help="FactoredTikhonov's max_inverse_dim: an integer or 'none' "
-        "(default: its default)",
-    )
+    add_inverse_dim_argument(parser)
     parser.add_argument(
         "--per-step", action="store_true", help="milliseconds per step only"
     )

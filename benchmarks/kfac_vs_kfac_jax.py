@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import kfac_jax
 import numpy as np
-from kfac_defaults import inverse_dim_options
+from kfac_defaults import add_inverse_dim_argument, inverse_dim_options
 from sklearn.datasets import load_digits
 
 import eqfisher as ef
@@ -250,12 +250,7 @@ def main():
         help="tune eqfisher too: curvature_update_period,inverse_every pairs, "
         "e.g. 4,5 5,5 5,10 (default: eqfisher at its defaults)",
     )
-    parser.add_argument(
-        "--max-inverse-dim",
-        default=None,
-        help="eqfisher's FactoredTikhonov max_inverse_dim: an integer or 'none' "
-        "(default: its default)",
-    )
+    add_inverse_dim_argument(parser)
     args = parser.parse_args()
     options = inverse_dim_options(args.max_inverse_dim)
     periods = (
