@@ -7,7 +7,13 @@ sequence of `kfac_defaults.py`. `curvature_update_period` and `inverse_every` ar
 static, one compilation each. No timing here: seconds per step are measured by
 `kfac_defaults.py --per-step`; steps × seconds per step choose the defaults.
 
-    python benchmarks/kfac_grid.py                      # the grid (all five problems)
+`--graft adam` (default) is `ef.optim.kfac`'s method, the K-FAC direction grafted
+onto Adam's step lengths, which takes no norm constraint (its grid is damping ×
+momentum × periods); `--graft none` the plain damped step with a norm constraint
+(the grid that chose `kfac_preconditioner`'s defaults).
+
+    python benchmarks/kfac_grid.py                      # the grafted grid
+    python benchmarks/kfac_grid.py --graft none         # the plain grid (all five)
     python benchmarks/kfac_grid.py --problems cnn --max-steps 60
     python benchmarks/kfac_grid.py --problems digits-std --max-steps 60 --static 4,5 \
         --dampings 1e-3 --constraints 1e-2 2e-2 3e-2 5e-2 --momenta 0 \
@@ -32,10 +38,13 @@ DAMPINGS = (1e-3, 1e-2, 1e-1)
 CONSTRAINTS = (1e-3, 1e-2, 1e-1)
 MOMENTA = (0.0, 0.9)
 STATIC = ((1, 5), (1, 20), (2, 5), (4, 5))  # (curvature_update_period, inverse_every)
-MAX_STEPS = {"autoencoder": 200}
+# The grafted method: no norm constraint (0.0 stands for none in the table).
+GRAFTED = ((1e-3, 1e-4, 1e-5), (0.0,), (0.0,))
+GRAFTED_STATIC = ((2, 10), (4, 10), (2, 5), (1, 10), (4, 5))
+MAX_STEPS = {"autoencoder": 200, "cnn": 50}
 
 
-def trajectories(name, period, inverse_every, configs, max_steps, seed):
+def trajectories(name, period, inverse_every, configs, max_steps, seed, grafted=True):
     """Full-data loss after each step (NaN once non-finite), per configuration."""
     key = jax.random.key(seed)
     model, x, y, loss_fn, target = problem(name, key)
@@ -46,14 +55,15 @@ def trajectories(name, period, inverse_every, configs, max_steps, seed):
     like = ef.optim.curvature_like(vgc, model, (x[indices[0]], y[indices[0]]), key=key)
 
     def run(lr, damping, constraint, momentum, decay):
+        method = {} if grafted else dict(graft=None, norm_constraint=constraint)
         opt = ef.optim.kfac(
             lr,
             like=like,
             damping=damping,
-            norm_constraint=constraint,
             momentum=momentum,
             decay=decay,
             inverse_every=inverse_every,
+            **method,
         )
         step = ef.optim.kfac_step(
             loss_fn,
@@ -101,6 +111,12 @@ def main():
     parser.add_argument("--max-steps", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--graft",
+        choices=("adam", "none"),
+        default="adam",
+        help="kfac's grafted method (default) or the plain step with a norm constraint",
+    )
+    parser.add_argument(
         "--small",
         action="store_true",
         help="damping 1e-3, norm constraint 1e-3/1e-2, momentum 0, periods 1, 2, 4",
@@ -120,16 +136,20 @@ def main():
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}"
     )
-    grid = (
-        ((1e-3,), (1e-3, 1e-2), (0.0,))
-        if args.small
-        else (DAMPINGS, CONSTRAINTS, MOMENTA)
-    )
+    grafted = args.graft == "adam"
+    if grafted:
+        grid = GRAFTED
+    elif args.small:
+        grid = ((1e-3,), (1e-3, 1e-2), (0.0,))
+    else:
+        grid = (DAMPINGS, CONSTRAINTS, MOMENTA)
     grid = tuple(
         given or default
         for given, default in zip((args.dampings, args.constraints, args.momenta), grid)
     ) + (tuple(args.decays),)
-    static = ((1, 5), (2, 5), (4, 5)) if args.small else STATIC
+    static = GRAFTED_STATIC if grafted else STATIC
+    if args.small and not grafted:
+        static = ((1, 5), (2, 5), (4, 5))
     if args.static:
         static = tuple(tuple(int(v) for v in pair.split(",")) for pair in args.static)
     configs = list(itertools.product(KFAC_LRS, *grid))
@@ -139,7 +159,7 @@ def main():
         for period, every in static:
             max_steps = MAX_STEPS.get(name, args.max_steps)
             losses, target, first = trajectories(
-                name, period, every, configs, max_steps, args.seed
+                name, period, every, configs, max_steps, args.seed, grafted
             )
             for (lr, *rest), traj in zip(configs, losses):
                 reached, nonfinite = outcome(traj, target, first)

@@ -89,6 +89,7 @@ def make_runner(
                 decay=0.95,
                 inverse_every=inverse_every,
                 damping_variant=variants[damping_mode],
+                graft=None,  # the plain damped step these results were measured with
                 norm_constraint=norm_constraint,
             )
 

@@ -26,8 +26,8 @@ kfac_jax is not a dependency of eqfisher; run this in its own environment (kfac_
     OPENBLAS_NUM_THREADS=1 /tmp/kfacjax-venv/bin/python benchmarks/kfac_vs_kfac_jax.py
 
 `--kfac-jax-grid best` runs kfac_jax only near the full grid's best configuration
-(8 runs instead of 240), for a rerun in a few minutes; `--max-inverse-dim none`
-inverts eqfisher's 513-wide factors whole (its default splits them in three).
+(8 runs instead of 240), for a rerun in a few minutes; `--max-inverse-dim 256`
+splits eqfisher's 513-wide factors in three (its default, 1024, inverts them whole).
 """
 
 import argparse

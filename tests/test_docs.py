@@ -510,7 +510,10 @@ def test_getting_started_runs(capsys):
     block = scope["kfac"].blocks["layers[0]"]
     assert block.a.shape == (3, 3) and block.g.shape == (16, 16)
     assert abs(scope["kfac"].trace() / scope["exact"].trace() - 1) < 0.1
-    assert scope["kfac_loss"] < scope["adam_loss"]
+    # "Both losses fall, and on this tiny problem [...] Adam's falls faster."
+    first = float(scope["loss_fn"](scope["model"], scope["batch"]))
+    assert scope["kfac_loss"] < 0.2 * first
+    assert scope["adam_loss"] < scope["kfac_loss"]
     # "The K-FAC step points much closer to the exact damped Newton step than the
     # gradient does."
     exact = scope["newton_exact"]

@@ -106,7 +106,7 @@ def test_kfac_step_with_diagonal_factors():
         damping=LAM,
         momentum=0.0,
         damping_variant=ef.optim.Tikhonov(),
-        norm_constraint=None,
+        graft=None,  # the plain damped Newton step
     )
     step = ef.optim.kfac_step(loss_fn, opt, estimator=ef.GGN(), structure=structure)
     new, _, _ = step(model, opt.init(eqx.filter(model, eqx.is_inexact_array)), batch)

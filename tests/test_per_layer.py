@@ -128,7 +128,7 @@ def test_kfac_step_is_the_damped_newton_step_of_the_reference():
         damping=lam,
         momentum=0.0,
         damping_variant=ef.optim.Tikhonov(),
-        norm_constraint=None,
+        graft=None,  # the plain damped Newton step
     )
     step = ef.optim.kfac_step(loss_fn, opt, estimator=ef.GGN(), structure=structure)
     params = eqx.filter(model, eqx.is_inexact_array)

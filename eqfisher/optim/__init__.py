@@ -25,6 +25,7 @@ from ._damping import (
     Tikhonov as Tikhonov,
     tikhonov_inverse as tikhonov_inverse,
 )
+from ._graft import GraftState as GraftState, graft as graft
 from ._kfac import kfac as kfac, kfac_preconditioner as kfac_preconditioner
 from ._quadratic_model import (
     AdaptiveState as AdaptiveState,
@@ -34,6 +35,8 @@ from ._quadratic_model import (
 from ._state import (
     CURVATURE_UPDATE_PERIOD as CURVATURE_UPDATE_PERIOD,
     DAMPING as DAMPING,
+    GRAFTED_DAMPING as GRAFTED_DAMPING,
+    GRAFTED_INVERSE_EVERY as GRAFTED_INVERSE_EVERY,
     INVERSE_EVERY as INVERSE_EVERY,
     MOMENTUM as MOMENTUM,
     NORM_CONSTRAINT as NORM_CONSTRAINT,
@@ -51,12 +54,14 @@ __all__ = [
     "AbstractDamping",
     "AdaptiveKFACState",
     "FactoredTikhonov",
+    "GraftState",
     "KFACState",
     "QuadraticModel",
     "Tikhonov",
     "curvature_like",
     "curvature_ok",
     "find_kfac_state",
+    "graft",
     "kfac",
     "kfac_adaptive",
     "kfac_preconditioner",

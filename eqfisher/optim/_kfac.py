@@ -10,6 +10,7 @@ from jaxtyping import Array, PyTree
 from .._curvature import Curvature
 from ..blocks._base import scalars_checked
 from ._damping import AbstractDamping, FactoredTikhonov
+from ._graft import graft as grafted
 from ._state import (
     KFACState,
     ScalarOrSchedule,
@@ -320,26 +321,39 @@ def kfac(
     learning_rate: ScalarOrSchedule,
     *,
     like: Curvature,
-    damping: ScalarOrSchedule = 1e-3,
+    damping: ScalarOrSchedule = 1e-4,
     momentum: float = 0.0,
     decay: float = 0.95,
-    inverse_every: int = 5,
+    inverse_every: int = 10,
     weight_decay: float = 0.0,
     damping_variant: AbstractDamping = FactoredTikhonov(),  # noqa: B008 (an immutable Module)
-    norm_constraint: float | None = 1e-2,
+    graft: optax.GradientTransformation | None = optax.scale_by_adam(),  # noqa: B008 (stateless)
+    norm_constraint: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-    """K-FAC, ready to use: preconditioner, weight decay, momentum, learning rate.
+    """K-FAC, ready to use: preconditioner, grafting, weight decay, momentum,
+    learning rate.
 
     **Arguments:**
 
     - `learning_rate`: a float or an optax schedule; the only option to tune.
-    - `like`, `damping`, `decay`, `inverse_every`, `damping_variant`,
-      `norm_constraint`: see `kfac_preconditioner`. The defaults: `damping=1e-3`,
-      `momentum=0`, `decay=0.95`, `inverse_every=5`, `FactoredTikhonov()`
-      (π-damping; factors wider than 1024 inverted by their diagonal blocks),
-      `norm_constraint=1e-2` (chosen by `benchmarks/kfac_defaults.py`).
-    - `momentum`: heavy-ball momentum on the preconditioned direction (0 for none).
-    - `weight_decay`: added to the preconditioned direction, decoupled as in AdamW.
+      With the default `graft`, it is on Adam's scale (each leaf steps as far as
+      Adam at this rate would step it), so the rates that suit Adam suit it.
+    - `like`, `damping`, `decay`, `inverse_every`, `damping_variant`: see
+      `kfac_preconditioner`. The defaults: `damping=1e-4`, `momentum=0`,
+      `decay=0.95`, `inverse_every=10`, `FactoredTikhonov()` (π-damping; factors
+      wider than 1024 inverted by their diagonal blocks), `graft=
+      optax.scale_by_adam()` (chosen by `benchmarks/kfac_grid.py`, in
+      benchmarks/RESULTS.md).
+    - `graft`: a transformation, or `None`. With one, each parameter leaf's
+      K-FAC direction is rescaled to the length of that transformation's update
+      for the leaf (see `graft`): the curvature chooses the direction, Adam by
+      default the step length. `None` gives the plain preconditioned direction,
+      times the learning rate.
+    - `norm_constraint`: with `graft=None`, see `kfac_preconditioner` (`1e-2` is
+      the value measured without grafting); `None` (default) for none. Grafting
+      sets every leaf's length itself, so the two are refused together.
+    - `momentum`: heavy-ball momentum on the (grafted) direction (0 for none).
+    - `weight_decay`: added to the (grafted) direction, decoupled as in AdamW.
 
     **Returns:**
 
@@ -350,8 +364,9 @@ def kfac(
     **Raises:**
 
     `ValueError` (or `TypeError`) when `like` is not a `Curvature`, when
-    `learning_rate`, `damping`, `decay` or `norm_constraint` is out of range, or
-    when `inverse_every` is not a positive integer; at `update`, a `ValueError`
+    `learning_rate`, `damping`, `decay` or `norm_constraint` is out of range,
+    when `inverse_every` is not a positive integer, or when both `graft` and
+    `norm_constraint` are given; at `update`, a `ValueError`
     when `curvature=` has other blocks or shapes than `like`. At `update` too
     (under `jit`, Equinox's runtime error): an update without `curvature=` before
     any curvature has been received, and schedule values out of range (`damping`
@@ -371,17 +386,31 @@ def kfac(
         model = eqx.apply_updates(model, updates)
         ```
     """
-    parts: list[optax.GradientTransformation] = [
-        _preconditioner(
-            "kfac",
-            like=like,
-            damping=damping,
-            decay=decay,
-            inverse_every=inverse_every,
-            damping_variant=damping_variant,
-            norm_constraint=norm_constraint,
-            learning_rate=learning_rate,
+    if graft is not None and norm_constraint is not None:
+        raise ValueError(
+            "`eqfisher.optim.kfac(..., graft=..., norm_constraint=...)`: grafting "
+            "sets each leaf's step length, so a norm constraint would do nothing; "
+            "pass `norm_constraint=None` to graft, or `graft=None` to constrain the "
+            "plain K-FAC step."
         )
+    if graft is not None and not isinstance(graft, optax.GradientTransformation):
+        raise TypeError(
+            "`eqfisher.optim.kfac(..., graft=...)` takes an optax transformation "
+            "(e.g. `optax.scale_by_adam()`) or `None`; got "
+            f"{type(graft).__name__}."
+        )
+    preconditioner = _preconditioner(
+        "kfac",
+        like=like,
+        damping=damping,
+        decay=decay,
+        inverse_every=inverse_every,
+        damping_variant=damping_variant,
+        norm_constraint=norm_constraint,
+        learning_rate=learning_rate,
+    )
+    parts: list[optax.GradientTransformation] = [
+        preconditioner if graft is None else grafted(preconditioner, graft)
     ]
     if weight_decay:
         parts.append(optax.add_decayed_weights(weight_decay))

@@ -21,17 +21,25 @@ step count (an integer array, counting updates from 0) to a scalar, such as
 `optax.warmup_cosine_decay_schedule(0.0, 0.3, 10, 1000)`. The learning rate is
 evaluated at every update; the damping when the cached inverse is refreshed."""
 
-# Defaults chosen from the grid of benchmarks/kfac_grid.py (benchmarks/RESULTS.md,
-# "The defaults grid"): no configuration of it gives a non-finite run at any learning
-# rate in 1e-3…1 on its five problems; damping 1e-3 with norm constraint 1e-2 and no
-# momentum needs the fewest steps, and statistics every 4th step the fewest seconds
-# (steps × measured seconds per step). The public signatures write these values out,
-# so that the API reference shows them; tests/test_optim.py checks they agree.
+# Defaults chosen from benchmark grids (benchmarks/RESULTS.md); the public
+# signatures write these values out, so that the API reference shows them, and
+# tests/test_optim.py checks they agree.
+#
+# `kfac_preconditioner`, the plain K-FAC direction ("The defaults grid",
+# benchmarks/kfac_grid.py): no configuration gives a non-finite run at any learning
+# rate in 1e-3…1 on its five problems; damping 1e-3 with norm constraint 1e-2 needs
+# the fewest steps.
 DAMPING = 1e-3
-MOMENTUM = 0.0
 NORM_CONSTRAINT = 1e-2
 INVERSE_EVERY = 5
-CURVATURE_UPDATE_PERIOD = 4
+# `kfac`, the direction grafted onto Adam's step lengths, and `kfac_step` ("Issue
+# 26, fourth session"): damping 1e-4, a fresh inverse at each of the first ten
+# estimates, statistics every second step and no momentum need the fewest steps
+# and seconds.
+GRAFTED_DAMPING = 1e-4
+GRAFTED_INVERSE_EVERY = 10
+MOMENTUM = 0.0
+CURVATURE_UPDATE_PERIOD = 2
 PI_DAMPING = FactoredTikhonov()
 
 

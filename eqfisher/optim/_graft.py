@@ -1,0 +1,110 @@
+"""Grafting: one transformation's direction at another's per-leaf step length."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, PyTree
+
+from ._state import where_tree
+
+
+class GraftState(NamedTuple):
+    """State of `graft`: the direction's and the magnitude's states.
+
+    - `direction`: the state of the transformation that gives the direction (for
+      `kfac`, its `KFACState`).
+    - `magnitude`: the state of the transformation whose step lengths are kept
+      (for `kfac`'s default, `optax.scale_by_adam()`'s moments). It is not updated
+      by gradients holding NaN or inf.
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        opt = ef.optim.kfac(1e-2, like=curv)  # grafted onto Adam by default
+        state = opt.init(params)
+        assert isinstance(state[0], ef.optim.GraftState)
+        assert ef.optim.find_kfac_state(state) is state[0].direction
+        ```
+    """
+
+    direction: PyTree
+    magnitude: PyTree
+
+
+def _norm(x: Array) -> Array:
+    return jnp.sqrt(jnp.sum(jnp.square(x)))
+
+
+def graft(
+    direction: optax.GradientTransformation,
+    magnitude: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Each leaf of `direction`'s update, rescaled to the length of `magnitude`'s.
+
+    For every parameter leaf, the update is $d \, \lVert m \rVert / \lVert d
+    \rVert$: $d$ the leaf's update from `direction` (e.g. a K-FAC preconditioner),
+    $m$ the same leaf's update from `magnitude` (e.g. `optax.scale_by_adam()`).
+    The curvature chooses where each layer steps, the magnitude how far, so the
+    learning rate means what it means for the magnitude's optimiser (as
+    Shampoo's grafting, Agarwal et al. 2020). A leaf whose direction is zero (no
+    curvature received yet) gets no step, and one whose magnitude is not finite
+    gets none either; gradients holding NaN or inf leave the magnitude's state
+    as it was.
+
+    **Arguments:**
+
+    - `direction`: the transformation whose update gives the direction; it
+      receives the extra arguments of `update` (`curvature=`, `curvature_due=`).
+    - `magnitude`: the transformation whose update gives each leaf's length; it
+      receives the gradients and `params` only.
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs` whose state is a `GraftState`.
+
+    !!! Example
+
+        ```python
+        curv = ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        pre = ef.optim.kfac_preconditioner(like=curv, norm_constraint=None)
+        opt = ef.optim.graft(pre, optax.scale_by_adam())
+        updates, state = opt.update(grads, opt.init(params), params, curvature=curv)
+        adam, _ = optax.scale_by_adam().update(grads, optax.scale_by_adam().init(params))
+        for u, a in zip(jax.tree.leaves(updates), jax.tree.leaves(adam)):
+            assert jnp.allclose(jnp.linalg.norm(u), jnp.linalg.norm(a), rtol=1e-5)
+        ```
+    """
+
+    def init(params):
+        return GraftState(direction.init(params), magnitude.init(params))
+
+    def update(updates, state, params=None, **extra):
+        d, d_state = direction.update(updates, state.direction, params, **extra)
+        # optax's own transformations (`scale_by_adam`'s bias correction) mix
+        # Python floats with integer counts, which strict dtype promotion refuses.
+        with jax.numpy_dtype_promotion("standard"):
+            m, m_state = magnitude.update(updates, state.magnitude, params)
+
+        def grafted(x, y):
+            d_norm, m_norm = _norm(x), _norm(y)
+            ok = (d_norm > 0) & jnp.isfinite(m_norm) & jnp.isfinite(d_norm)
+            scale = jnp.where(ok, m_norm / jnp.where(ok, d_norm, 1.0), 0.0)
+            return scale.astype(x.dtype) * x
+
+        # Raises when the two transformations' updates differ in structure.
+        out = jax.tree_util.tree_map(grafted, d, m)
+        # The norms double as the finiteness test of the gradients: a NaN or inf
+        # gradient makes its leaf's magnitude non-finite.
+        finite = [jnp.isfinite(_norm(y)) for y in jax.tree_util.tree_leaves(m)]
+        ok = jnp.all(jnp.stack(finite)) if finite else jnp.asarray(True)
+        m_state = where_tree(ok, m_state, state.magnitude)
+        return out, GraftState(d_state, m_state)
+
+    return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]

@@ -1,0 +1,171 @@
+import functools as ft
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqfisher as ef
+from eqfisher import optim
+
+from .helpers import tree_allclose
+
+
+@ft.cache
+def _problem():
+    key = jax.random.key(0)
+    model = eqx.nn.MLP(3, 2, 8, 1, activation=jnp.tanh, key=key)
+    w = jax.random.normal(jax.random.key(1), (3, 2))
+    x = jax.random.normal(jax.random.key(2), (64, 3))
+    y = jnp.argmax(x @ w, axis=-1)
+    return model, (x, y)
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
+
+
+VGC = ef.value_grad_and_curvature(loss_fn, estimator=ef.GGN(), structure=ef.KFAC())
+
+
+@ft.cache
+def _like():
+    model, batch = _problem()
+    return optim.curvature_like(VGC, model, batch)
+
+
+def _batches(n):
+    """`n` batches of the problem's data, shuffled differently: the gradients and
+    curvatures change from step to step, and so do Adam's moments."""
+    _, (x, y) = _problem()
+    order = [jax.random.permutation(jax.random.key(10 + i), 64)[:32] for i in range(n)]
+    return [(x[o], y[o]) for o in order]
+
+
+def test_graft_rescales_each_leaf_to_the_magnitudes_length():
+    # Three updates, written out by hand: the preconditioner's direction for each
+    # leaf, times the norm of Adam's update for that leaf over the direction's.
+    model, _ = _problem()
+    params = eqx.filter(model, eqx.is_inexact_array)
+    pre = optim.kfac_preconditioner(like=_like(), damping=0.1, norm_constraint=None)
+    adam = optax.scale_by_adam()
+    opt = optim.graft(pre, adam)
+    state = opt.init(params)
+    pre_state, adam_state = pre.init(params), adam.init(params)
+    for batch in _batches(3):
+        _, grads, curv = VGC(model, batch)
+        updates, state = opt.update(grads, state, params, curvature=curv)
+        d, pre_state = pre.update(grads, pre_state, params, curvature=curv)
+        with jax.numpy_dtype_promotion("standard"):  # optax's bias correction
+            m, adam_state = adam.update(grads, adam_state, params)
+        expected = jax.tree.map(
+            lambda d, m: d * jnp.linalg.norm(m) / jnp.linalg.norm(d), d, m
+        )
+        assert tree_allclose(updates, expected, rtol=1e-12, atol=0)
+        for u, a in zip(jax.tree.leaves(updates), jax.tree.leaves(m)):
+            np.testing.assert_allclose(
+                jnp.linalg.norm(u), jnp.linalg.norm(a), rtol=1e-12
+            )
+    assert isinstance(state, optim.GraftState)
+    assert int(optim.find_kfac_state(state).curvature_count) == 3
+
+
+def test_kfac_is_the_grafted_preconditioner_times_the_learning_rate():
+    # What `kfac`'s docstring says it is, at its defaults and with `graft=None`.
+    model, _ = _problem()
+    params = eqx.filter(model, eqx.is_inexact_array)
+    lr = 0.03
+    by_parts = {
+        "grafted": optax.chain(
+            optim.graft(
+                optim.kfac_preconditioner(
+                    like=_like(), damping=1e-4, inverse_every=10, norm_constraint=None
+                ),
+                optax.scale_by_adam(),
+            ),
+            optax.scale_by_learning_rate(lr),
+        ),
+        "plain": optax.chain(
+            # The norm constraint bounds the step after the learning rate.
+            optim.kfac_preconditioner(
+                like=_like(), damping=1e-4, inverse_every=10, learning_rate=lr
+            ),
+            optax.scale_by_learning_rate(lr),
+        ),
+    }
+    whole = {
+        "grafted": optim.kfac(lr, like=_like()),
+        "plain": optim.kfac(lr, like=_like(), graft=None, norm_constraint=1e-2),
+    }
+    for name in by_parts:
+        a, b = whole[name], by_parts[name]
+        sa, sb = a.init(params), b.init(params)
+        for batch in _batches(3):
+            _, grads, curv = VGC(model, batch)
+            ua, sa = a.update(grads, sa, params, curvature=curv)
+            with jax.numpy_dtype_promotion("standard"):  # optax's bias correction
+                ub, sb = b.update(grads, sb, params, curvature=curv)
+            assert tree_allclose(ua, ub, rtol=1e-12, atol=0), name
+
+
+def test_nonfinite_gradients_leave_the_magnitude_state_alone():
+    model, batch = _problem()
+    params = eqx.filter(model, eqx.is_inexact_array)
+    opt = optim.kfac(0.03, like=_like())
+    _, grads, curv = VGC(model, batch)
+    _, state = opt.update(grads, opt.init(params), params, curvature=curv)
+    bad = jax.tree.map(lambda g: g.at[0].set(jnp.nan), grads)
+    updates, new_state = opt.update(bad, state, params)
+    assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(updates))
+    graft_state = new_state[0]
+    assert isinstance(graft_state, optim.GraftState)
+    assert tree_allclose(graft_state.magnitude, state[0].magnitude, rtol=0, atol=0)
+    assert int(optim.find_kfac_state(new_state).skipped_count) == 1
+    # And training goes on from there.
+    updates, _ = opt.update(grads, new_state, params, curvature=curv)
+    assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+    assert any(bool(jnp.any(u != 0)) for u in jax.tree.leaves(updates))
+
+
+def test_a_zero_direction_gets_no_step():
+    # Before the first finite curvature K-FAC gives no direction: grafting must
+    # not turn Adam's length into a step along nothing (0 / 0).
+    model, batch = _problem()
+    params = eqx.filter(model, eqx.is_inexact_array)
+    opt = optim.kfac(0.03, like=_like())
+    _, grads, curv = VGC(model, batch)
+    bad = jax.tree.map(lambda x: x * jnp.inf, curv)
+    updates, state = opt.update(grads, opt.init(params), params, curvature=bad)
+    assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(updates))
+    assert int(optim.find_kfac_state(state).nonfinite_count) == 1
+
+
+def test_grafted_kfac_trains_in_a_scan_with_one_state_structure():
+    model, batch = _problem()
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    opt = optim.kfac(0.03, like=_like())
+    step = optim.kfac_step(loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC())
+    state0 = opt.init(params)
+
+    def body(carry, _):
+        p, s = carry
+        m, s, loss = step(eqx.combine(p, static), s, batch)
+        return (eqx.filter(m, eqx.is_inexact_array), s), loss
+
+    (params, state), losses = jax.lax.scan(body, (params, state0), None, length=20)
+    assert jax.tree.structure(state) == jax.tree.structure(state0)
+    assert float(losses[-1]) < 0.5 * float(losses[0])
+
+
+def test_graft_and_norm_constraint_are_refused_together():
+    with pytest.raises(ValueError, match="norm_constraint"):
+        optim.kfac(0.03, like=_like(), norm_constraint=1e-2)
+
+
+def test_graft_must_be_a_transformation(unchecked):
+    del unchecked
+    with pytest.raises(TypeError, match="graft"):
+        optim.kfac(0.03, like=_like(), graft="adam")  # pyright: ignore[reportArgumentType]
