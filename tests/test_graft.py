@@ -1,5 +1,3 @@
-import functools as ft
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -11,36 +9,13 @@ import eqfisher as ef
 from eqfisher import optim
 
 from .helpers import tree_allclose
-
-
-@ft.cache
-def _problem():
-    key = jax.random.key(0)
-    model = eqx.nn.MLP(3, 2, 8, 1, activation=jnp.tanh, key=key)
-    w = jax.random.normal(jax.random.key(1), (3, 2))
-    x = jax.random.normal(jax.random.key(2), (64, 3))
-    y = jnp.argmax(x @ w, axis=-1)
-    return model, (x, y)
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
-
-
-VGC = ef.value_grad_and_curvature(loss_fn, estimator=ef.GGN(), structure=ef.KFAC())
-
-
-@ft.cache
-def _like():
-    model, batch = _problem()
-    return optim.curvature_like(VGC, model, batch)
+from .optim_problem import VGC, like, loss_fn, problem
 
 
 def _batches(n):
     """`n` batches of the problem's data, shuffled differently: the gradients and
     curvatures change from step to step, and so do Adam's moments."""
-    _, (x, y) = _problem()
+    _, (x, y) = problem()
     order = [jax.random.permutation(jax.random.key(10 + i), 64)[:32] for i in range(n)]
     return [(x[o], y[o]) for o in order]
 
@@ -48,9 +23,9 @@ def _batches(n):
 def test_graft_rescales_each_leaf_to_the_magnitudes_length():
     # Three updates, written out by hand: the preconditioner's direction for each
     # leaf, times the norm of Adam's update for that leaf over the direction's.
-    model, _ = _problem()
+    model, _ = problem()
     params = eqx.filter(model, eqx.is_inexact_array)
-    pre = optim.kfac_preconditioner(like=_like(), damping=0.1, norm_constraint=None)
+    pre = optim.kfac_preconditioner(like=like(), damping=0.1, norm_constraint=None)
     adam = optax.scale_by_adam()
     opt = optim.graft(pre, adam)
     state = opt.init(params)
@@ -75,14 +50,14 @@ def test_graft_rescales_each_leaf_to_the_magnitudes_length():
 
 def test_kfac_is_the_grafted_preconditioner_times_the_learning_rate():
     # What `kfac`'s docstring says it is, at its defaults and with `graft=None`.
-    model, _ = _problem()
+    model, _ = problem()
     params = eqx.filter(model, eqx.is_inexact_array)
     lr = 0.03
     by_parts = {
         "grafted": optax.chain(
             optim.graft(
                 optim.kfac_preconditioner(
-                    like=_like(), damping=1e-4, inverse_every=10, norm_constraint=None
+                    like=like(), damping=1e-4, inverse_every=10, norm_constraint=None
                 ),
                 optax.scale_by_adam(),
             ),
@@ -91,14 +66,14 @@ def test_kfac_is_the_grafted_preconditioner_times_the_learning_rate():
         "plain": optax.chain(
             # The norm constraint bounds the step after the learning rate.
             optim.kfac_preconditioner(
-                like=_like(), damping=1e-4, inverse_every=10, learning_rate=lr
+                like=like(), damping=1e-4, inverse_every=10, learning_rate=lr
             ),
             optax.scale_by_learning_rate(lr),
         ),
     }
     whole = {
-        "grafted": optim.kfac(lr, like=_like()),
-        "plain": optim.kfac(lr, like=_like(), graft=None, norm_constraint=1e-2),
+        "grafted": optim.kfac(lr, like=like()),
+        "plain": optim.kfac(lr, like=like(), graft=None, norm_constraint=1e-2),
     }
     for name in by_parts:
         a, b = whole[name], by_parts[name]
@@ -112,9 +87,9 @@ def test_kfac_is_the_grafted_preconditioner_times_the_learning_rate():
 
 
 def test_nonfinite_gradients_leave_the_magnitude_state_alone():
-    model, batch = _problem()
+    model, batch = problem()
     params = eqx.filter(model, eqx.is_inexact_array)
-    opt = optim.kfac(0.03, like=_like())
+    opt = optim.kfac(0.03, like=like())
     _, grads, curv = VGC(model, batch)
     _, state = opt.update(grads, opt.init(params), params, curvature=curv)
     bad = jax.tree.map(lambda g: g.at[0].set(jnp.nan), grads)
@@ -133,9 +108,9 @@ def test_nonfinite_gradients_leave_the_magnitude_state_alone():
 def test_a_zero_direction_gets_no_step():
     # Before the first finite curvature K-FAC gives no direction: grafting must
     # not turn Adam's length into a step along nothing (0 / 0).
-    model, batch = _problem()
+    model, batch = problem()
     params = eqx.filter(model, eqx.is_inexact_array)
-    opt = optim.kfac(0.03, like=_like())
+    opt = optim.kfac(0.03, like=like())
     _, grads, curv = VGC(model, batch)
     bad = jax.tree.map(lambda x: x * jnp.inf, curv)
     updates, state = opt.update(grads, opt.init(params), params, curvature=bad)
@@ -144,9 +119,9 @@ def test_a_zero_direction_gets_no_step():
 
 
 def test_grafted_kfac_trains_in_a_scan_with_one_state_structure():
-    model, batch = _problem()
+    model, batch = problem()
     params, static = eqx.partition(model, eqx.is_inexact_array)
-    opt = optim.kfac(0.03, like=_like())
+    opt = optim.kfac(0.03, like=like())
     step = optim.kfac_step(loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC())
     state0 = opt.init(params)
 
@@ -162,10 +137,10 @@ def test_grafted_kfac_trains_in_a_scan_with_one_state_structure():
 
 def test_graft_and_norm_constraint_are_refused_together():
     with pytest.raises(ValueError, match="norm_constraint"):
-        optim.kfac(0.03, like=_like(), norm_constraint=1e-2)
+        optim.kfac(0.03, like=like(), norm_constraint=1e-2)
 
 
 def test_graft_must_be_a_transformation(unchecked):
     del unchecked
     with pytest.raises(TypeError, match="graft"):
-        optim.kfac(0.03, like=_like(), graft="adam")  # pyright: ignore[reportArgumentType]
+        optim.kfac(0.03, like=like(), graft="adam")  # pyright: ignore[reportArgumentType]

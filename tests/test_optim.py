@@ -12,37 +12,15 @@ import eqfisher as ef
 from eqfisher import optim
 
 from .helpers import tree_allclose
+from .optim_problem import VGC, like as _like, loss_fn, problem as _problem
 
 
 F64 = jnp.float64
 
 
-# The problem, its curvature template, the optimisers and their compiled steps are
-# built once and shared: tests that use the same configuration reuse one compilation.
-@ft.cache
-def _problem():
-    key = jax.random.key(0)
-    model = eqx.nn.MLP(3, 2, 8, 1, activation=jnp.tanh, key=key)
-    w = jax.random.normal(jax.random.key(1), (3, 2))
-    x = jax.random.normal(jax.random.key(2), (64, 3))
-    y = jnp.argmax(x @ w, axis=-1)
-    return model, (x, y)
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
-
-
-VGC = ef.value_grad_and_curvature(loss_fn, estimator=ef.GGN(), structure=ef.KFAC())
-
-
-@ft.cache
-def _like():
-    model, batch = _problem()
-    return optim.curvature_like(VGC, model, batch)
-
-
+# The problem and its curvature template (optim_problem.py), the optimisers and
+# their compiled steps are built once and shared: tests that use the same
+# configuration reuse one compilation.
 @ft.cache
 def _kfac(learning_rate, **kwargs):
     """`optim.kfac` with the shared template, one object per configuration."""
