@@ -34,8 +34,8 @@ NORM_CONSTRAINT = 1e-2
 INVERSE_EVERY = 5
 # `kfac`, the direction grafted onto Adam's step lengths, and `kfac_step` ("Issue
 # 26, fourth session"): damping 1e-4, a fresh inverse at each of the first ten
-# estimates, statistics every second step and no momentum need the fewest steps
-# and seconds.
+# estimates, statistics every second step and no momentum: the fewest steps of the
+# grid on digits-std, within six of the fewest elsewhere, and no non-finite run.
 GRAFTED_DAMPING = 1e-4
 GRAFTED_INVERSE_EVERY = 10
 MOMENTUM = 0.0

@@ -60,8 +60,8 @@ def kfac_step(
     - `estimator`, `structure`: as for `eqfisher.value_grad_and_curvature`.
     - `curvature_update_period`: $k \ge 1$: curvature statistics at steps
       $0, k, 2k, \ldots$ (default 2, from the benchmark grid of `kfac`'s grafted
-      defaults: fewer steps to a target than $k = 4$ on every one of its five
-      problems, and fewer seconds than $k = 1$).
+      defaults: fewer steps to a target than $k = 4$ on all five of its problems;
+      $k = 1$ takes fewer on four, at a statistics pass every step).
     - `curvature_batch_size`: `None` (the whole batch), or n: the statistics come
       from the first n examples of every leaf of `batch` (leading axis), the
       gradient from the whole batch (one extra forward and backward on n
