@@ -92,17 +92,19 @@ def graft(
         with jax.numpy_dtype_promotion("standard"):
             m, m_state = magnitude.update(updates, state.magnitude, params)
 
-        def grafted(x, y):
-            d_norm, m_norm = _norm(x), _norm(y)
+        m_norms = jax.tree_util.tree_map(_norm, m)
+
+        def grafted(x, m_norm):
+            d_norm = _norm(x)
             ok = (d_norm > 0) & jnp.isfinite(m_norm) & jnp.isfinite(d_norm)
             scale = jnp.where(ok, m_norm / jnp.where(ok, d_norm, 1.0), 0.0)
             return scale.astype(x.dtype) * x
 
         # Raises when the two transformations' updates differ in structure.
-        out = jax.tree_util.tree_map(grafted, d, m)
+        out = jax.tree_util.tree_map(grafted, d, m_norms)
         # The norms double as the finiteness test of the gradients: a NaN or inf
         # gradient makes its leaf's magnitude non-finite.
-        finite = [jnp.isfinite(_norm(y)) for y in jax.tree_util.tree_leaves(m)]
+        finite = [jnp.isfinite(n) for n in jax.tree_util.tree_leaves(m_norms)]
         ok = jnp.all(jnp.stack(finite)) if finite else jnp.asarray(True)
         m_state = where_tree(ok, m_state, state.magnitude)
         return out, GraftState(d_state, m_state)
