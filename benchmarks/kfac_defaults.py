@@ -24,6 +24,8 @@ A run is non-finite when the loss or a parameter becomes NaN/inf.
     python benchmarks/kfac_defaults.py --per-step        # ms per step (min of 3 × 40)
     python benchmarks/kfac_defaults.py --compile         # first-call compile, by stage
     python benchmarks/kfac_defaults.py --max-inverse-dim none   # wide factors whole
+    python benchmarks/kfac_defaults.py --problems cnn --max-inverse-dim 256 \
+        --curvature-batch-size 64     # statistics from 64 of the 256 examples
 
 The defaults themselves were chosen by `benchmarks/kfac_grid.py` (every configuration
 of damping, norm constraint, momentum, inverse_every and curvature_update_period on
@@ -161,8 +163,11 @@ def make_steps(kind, model, x, y, loss_fn, sample, key, options):
     estimator, structure = ef.FisherMC(samples=1), ef.KFAC()
     vgc = ef.value_grad_and_curvature(loss_fn, estimator=estimator, structure=structure)
     like = ef.optim.curvature_like(vgc, model, sample, key=key)
-    period = options.pop("curvature_update_period", None)
-    amortise = {} if period is None else {"curvature_update_period": period}
+    amortise = {
+        name: options.pop(name)
+        for name in ("curvature_update_period", "curvature_batch_size")
+        if name in options
+    }
 
     @eqx.filter_jit
     def step(params, state, idx, key, lr):
@@ -471,6 +476,12 @@ def main():
         default=None,
         help="kfac_step's (default: its default)",
     )
+    parser.add_argument(
+        "--curvature-batch-size",
+        type=int,
+        default=None,
+        help="kfac_step's: statistics from the first N examples (default: all)",
+    )
     add_inverse_dim_argument(parser)
     parser.add_argument(
         "--per-step", action="store_true", help="milliseconds per step only"
@@ -486,9 +497,9 @@ def main():
     if args.compile:
         compile_times(args.problems, options)
         return
-    period = args.curvature_update_period
-    if period is not None:
-        options["curvature_update_period"] = period
+    for name in ("curvature_update_period", "curvature_batch_size"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
     compare(args.max_steps, args.seed, args.problems, options)
 
 
