@@ -6,6 +6,10 @@ by stage (trace, lowering, XLA), with the number of fused kernels XLA compiled.
 
     python benchmarks/gpt_step_compile.py [--blocks 4 12] [--repeats 2]
     python benchmarks/gpt_step_compile.py --max-inverse-dim none   # factors whole
+    python benchmarks/gpt_step_compile.py --xla-defaults   # K-FAC without fast_compile
+
+The K-FAC step is compiled with `kfac_step`'s default compiler options
+(`ef.optim.fast_compile_options()`: its own jit is inlined into the one here).
 """
 
 import argparse
@@ -15,15 +19,22 @@ import platform
 import equinox as eqx
 import jax
 import optax
-from kfac_defaults import add_inverse_dim_argument, compile_stages, inverse_dim_options
+from kfac_defaults import (
+    add_inverse_dim_argument,
+    compile_stages,
+    inverse_dim_options,
+    kfac_compiler_options,
+)
 from transformer_scale import gpt_loss, gpt_problem
 
 import eqfisher as ef
 
 
 def steps(n_blocks: int, options: dict):
-    """`{name: (function, arguments)}` for the three training steps; `options` go to
-    `ef.optim.kfac`."""
+    """`{name: (function, arguments, compiler options)}` for the three training
+    steps; `options` go to `ef.optim.kfac` (`xla_defaults`, popped: the K-FAC
+    step's compiler options, `kfac_compiler_options`)."""
+    compiler = kfac_compiler_options(options)
     model, batch = gpt_problem(n_blocks)
     params, static = eqx.partition(model, eqx.is_inexact_array)
     key = jax.random.key(0)
@@ -49,9 +60,9 @@ def steps(n_blocks: int, options: dict):
         return eqx.filter(model, eqx.is_inexact_array), s
 
     return {
-        "value-and-grad": (value_and_grad, (params, batch)),
-        "Adam step": (adam_step, (params, adam.init(params), batch)),
-        "kfac_step": (kfac_step, (params, opt.init(params), batch, key)),
+        "value-and-grad": (value_and_grad, (params, batch), None),
+        "Adam step": (adam_step, (params, adam.init(params), batch), None),
+        "kfac_step": (kfac_step, (params, opt.init(params), batch, key), compiler),
     }
 
 
@@ -60,8 +71,15 @@ def main():
     parser.add_argument("--blocks", type=int, nargs="*", default=[4, 12])
     parser.add_argument("--repeats", type=int, default=2)
     add_inverse_dim_argument(parser)
+    parser.add_argument(
+        "--xla-defaults",
+        action="store_true",
+        help="compile the K-FAC step with XLA's defaults",
+    )
     args = parser.parse_args()
     options = inverse_dim_options(args.max_inverse_dim)
+    if args.xla_defaults:
+        options["xla_defaults"] = True
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, "
         f"{jax.devices()[0].device_kind}, jax {jax.__version__}, "
@@ -74,8 +92,11 @@ def main():
     print("|---|---|---|---|---|")
     for n in args.blocks:
         base = None
-        for name, (fn, fn_args) in steps(n, options).items():
-            runs = [compile_stages(fn, *fn_args) for _ in range(args.repeats)]
+        for name, (fn, fn_args, compiler) in steps(n, dict(options)).items():
+            runs = [
+                compile_stages(fn, *fn_args, compiler_options=compiler)
+                for _ in range(args.repeats)
+            ]
             t, lo, x, fusions = min(runs, key=lambda r: sum(r[:3]))
             total = t + lo + x
             base = base or total

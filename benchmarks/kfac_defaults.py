@@ -24,6 +24,7 @@ A run is non-finite when the loss or a parameter becomes NaN/inf.
     python benchmarks/kfac_defaults.py --per-step        # ms per step (min of 3 × 40)
     python benchmarks/kfac_defaults.py --compile         # first-call compile, by stage
     python benchmarks/kfac_defaults.py --max-inverse-dim none   # wide factors whole
+    python benchmarks/kfac_defaults.py --xla-defaults   # K-FAC without fast_compile
     python benchmarks/kfac_defaults.py --problems cnn --max-inverse-dim 256 \
         --curvature-batch-size 64     # statistics from 64 of the 256 examples
 
@@ -169,7 +170,8 @@ def make_steps(kind, model, x, y, loss_fn, sample, key, options):
         if name in options
     }
 
-    @eqx.filter_jit
+    # kfac_step's own jit is inlined into this one: compiled as its default would.
+    @eqx.filter_jit(compiler_options=kfac_compiler_options(options))
     def step(params, state, idx, key, lr):
         opt = ef.optim.kfac(lr, like=like, **options)
         one = ef.optim.kfac_step(
@@ -183,6 +185,14 @@ def make_steps(kind, model, x, y, loss_fn, sample, key, options):
         return eqx.filter(model, eqx.is_inexact_array), state
 
     return ef.optim.kfac(1.0, like=like, **options).init(params), step
+
+
+def kfac_compiler_options(options: dict) -> dict | None:
+    """The compiler options of the K-FAC step: `kfac_step`'s default
+    (`ef.optim.fast_compile_options()`), or XLA's defaults when `options` (popped)
+    says `xla_defaults`."""
+    fast = not options.pop("xla_defaults", False)
+    return (ef.optim.fast_compile_options() if fast else {}) or None
 
 
 def train(step, state0, params, full_loss, indices, keys, lr, target, max_steps):
@@ -330,12 +340,14 @@ def _machine() -> str:
     )
 
 
-def compile_stages(fn, *args) -> tuple[float, float, float, int]:
+def compile_stages(
+    fn, *args, compiler_options: dict | None = None
+) -> tuple[float, float, float, int]:
     """Seconds to trace, lower and XLA-compile `jax.jit(fn)` on `args`, from an
     empty compilation cache, and the number of fused kernels XLA compiled."""
     jax.clear_caches()
     t0 = time.perf_counter()
-    traced = jax.jit(fn).trace(*args)
+    traced = jax.jit(fn, compiler_options=compiler_options).trace(*args)
     t1 = time.perf_counter()
     lowered = traced.lower()
     t2 = time.perf_counter()
@@ -366,15 +378,22 @@ def compile_times(problems, options: dict, repeats: int = 3):
             model = eqx.combine(params, static)
             return eqx.filter_value_and_grad(loss_fn)(model, (x[idx], y[idx]))
 
-        times = {"vg": (value_and_grad, (params, idx))}
+        times = {"vg": (value_and_grad, (params, idx), None)}
         for kind in ("adam", "muon", "kfac"):
             extra = dict(options) if kind == "kfac" else {}
+            compiler_options = (
+                kfac_compiler_options(dict(extra)) if kind == "kfac" else None
+            )
             state, step = make_steps(kind, model, x, y, loss_fn, sample, key, extra)
             # The jitted step's Python function: compiled here by stage.
-            times[kind] = (step.__wrapped__, (params, state, idx, key, lr))
+            args = (params, state, idx, key, lr)
+            times[kind] = (step.__wrapped__, args, compiler_options)
         best = {}
-        for kind, (fn, args) in times.items():
-            runs = [compile_stages(fn, *args)[:3] for _ in range(repeats)]
+        for kind, (fn, args, compiler_options) in times.items():
+            runs = [
+                compile_stages(fn, *args, compiler_options=compiler_options)[:3]
+                for _ in range(repeats)
+            ]
             best[kind] = min(runs, key=sum)
         vgc = ef.value_grad_and_curvature(
             loss_fn, estimator=ef.FisherMC(samples=1), structure=ef.KFAC()
@@ -484,6 +503,12 @@ def main():
     )
     add_inverse_dim_argument(parser)
     parser.add_argument(
+        "--xla-defaults",
+        action="store_true",
+        help="compile the K-FAC step with XLA's defaults, not kfac_step's "
+        "fast_compile options",
+    )
+    parser.add_argument(
         "--per-step", action="store_true", help="milliseconds per step only"
     )
     parser.add_argument(
@@ -491,6 +516,8 @@ def main():
     )
     args = parser.parse_args()
     options = inverse_dim_options(args.max_inverse_dim)
+    if args.xla_defaults:
+        options["xla_defaults"] = True
     if args.per_step:
         per_step(args.problems, options)
         return

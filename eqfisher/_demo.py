@@ -134,7 +134,10 @@ def run_demo(steps: int, out: pathlib.Path, seed: int, batch_size: int = 256) ->
     kfac = optim.kfac(KFAC_LR, like=like)
     one_step = optim.kfac_step(loss_fn, kfac, estimator=estimator, structure=structure)
 
-    @eqx.filter_jit
+    # `one_step`'s jit is inlined into this one: compiled with the options its own
+    # would have had (`kfac_step(fast_compile=True)`, the default). equinox's typed
+    # overloads leave out the `**jitkwargs` it passes to `jax.jit`.
+    @eqx.filter_jit(compiler_options=optim.fast_compile_options() or None)  # pyright: ignore[reportCallIssue]
     def kfac_step(model, state, batch, step):
         # The step's key derived inside jit: an eager `fold_in` costs about 3 ms.
         model, state, _ = one_step(model, state, batch, jax.random.fold_in(key, step))

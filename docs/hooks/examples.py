@@ -254,9 +254,10 @@ def _demo_page(run: Run) -> str:
         "steady-state seconds each needs to reach a training loss of 0.15, with "
         "the first call's compile time in a column of its own. K-FAC takes about "
         "an eighth of Adam's steps and a sixth of Muon's, and a quarter to a third "
-        "of their seconds; its step compiles several times longer, which on a run "
+        "of their seconds; its step compiles about four times as long as Adam's "
+        "(jax 0.10 on the CPU), which on a run "
         'this short is more than the training (`benchmarks/RESULTS.md`, "Issue 26, '
-        'fourth session"). '
+        'sixth session"). '
         "All three overfit this small training set (331 examples) by the end of "
         "the run: the test loss is the last column. It is the README's first "
         "command:",

@@ -19,6 +19,7 @@ from ._adaptive_kfac import (
     AdaptiveKFACState as AdaptiveKFACState,
     kfac_adaptive as kfac_adaptive,
 )
+from ._compile import fast_compile_options as fast_compile_options
 from ._damping import (
     AbstractDamping as AbstractDamping,
     FactoredTikhonov as FactoredTikhonov,
@@ -60,6 +61,7 @@ __all__ = [
     "Tikhonov",
     "curvature_like",
     "curvature_ok",
+    "fast_compile_options",
     "find_kfac_state",
     "graft",
     "kfac",

@@ -14,6 +14,7 @@ from .._curvature import (
     value_grad_and_curvature,
     value_grad_then_curvature,
 )
+from ._compile import fast_compile_options, filter_jit_with_options
 from ._state import check_positive_int, find_kfac_state
 
 
@@ -40,6 +41,7 @@ def kfac_step(
     structure: AbstractStructure,
     curvature_update_period: int = 2,
     curvature_batch_size: int | None = None,
+    fast_compile: bool = True,
 ) -> Callable:
     r"""One jitted training step: gradient, curvature when due, optimiser update.
 
@@ -66,6 +68,12 @@ def kfac_step(
       from the first n examples of every leaf of `batch` (leading axis), the
       gradient from the whole batch (one extra forward and backward on n
       examples).
+    - `fast_compile`: compile `step` with `eqfisher.optim.fast_compile_options()`
+      (default): on the CPU with jaxlib 0.9-0.10, its first call compiles in about
+      half the time of XLA's defaults and its steps are 0-10% longer
+      (`benchmarks/RESULTS.md`); `False` for XLA's defaults, for runs of many
+      thousand steps. No effect on a GPU, on jaxlib 0.12, or when `step` is
+      called inside another `jit` (that one's options apply).
 
     **Returns:**
 
@@ -75,7 +83,7 @@ def kfac_step(
     **Raises:**
 
     `ValueError` when `curvature_update_period` or `curvature_batch_size` is not a
-    positive integer; at the first step, when `optimiser`'s state holds no K-FAC
+    positive integer; `TypeError` when `fast_compile` is not a bool; at the first step, when `optimiser`'s state holds no K-FAC
     state, and the errors of `eqfisher.value_grad_and_curvature`.
 
     !!! Example
@@ -96,11 +104,15 @@ def kfac_step(
     check_positive_int(caller, "curvature_update_period", curvature_update_period)
     if curvature_batch_size is not None:
         check_positive_int(caller, "curvature_batch_size", curvature_batch_size)
+    if not isinstance(fast_compile, bool):
+        raise TypeError(
+            f"`eqfisher.optim.kfac_step(fast_compile=...)`: True or False, got "
+            f"{fast_compile!r}."
+        )
     vgc = value_grad_and_curvature(loss_fn, estimator=estimator, structure=structure)
     then = value_grad_then_curvature(loss_fn, estimator=estimator, structure=structure)
     value_and_grad = eqx.filter_value_and_grad(loss_fn)
 
-    @eqx.filter_jit
     def step(model, opt_state, batch, key=None):
         period = curvature_update_period
         params = eqx.filter(model, eqx.is_inexact_array)
@@ -126,4 +138,4 @@ def kfac_step(
         )
         return eqx.apply_updates(model, updates), opt_state, loss
 
-    return step
+    return filter_jit_with_options(step, fast_compile_options() if fast_compile else {})
