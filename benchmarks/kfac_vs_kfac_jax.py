@@ -41,7 +41,11 @@ import jax
 import jax.numpy as jnp
 import kfac_jax
 import numpy as np
-from kfac_defaults import add_inverse_dim_argument, inverse_dim_options
+from kfac_defaults import (
+    add_inverse_dim_argument,
+    inverse_dim_options,
+    kfac_compiler_options,
+)
 from sklearn.datasets import load_digits
 
 import eqfisher as ef
@@ -142,6 +146,7 @@ def eqfisher_runs(model, x, y, indices, keys, max_steps, periods=None, options=N
     rows = []
     for lr, period in itertools.product(EQFISHER_LRS, periods or [None]):
         extra = dict(options or {})
+        compiler_options = kfac_compiler_options(extra)
         if period is not None:
             extra["inverse_every"] = period[1]
         opt = ef.optim.kfac(lr, like=like, **extra)
@@ -153,7 +158,8 @@ def eqfisher_runs(model, x, y, indices, keys, max_steps, periods=None, options=N
             **({} if period is None else dict(curvature_update_period=period[0])),
         )
 
-        @eqx.filter_jit
+        # kfac_step's own jit is inlined into this one: compiled as its default would.
+        @eqx.filter_jit(compiler_options=compiler_options)
         def step(p, state, idx, key, one=one):
             m, state, _ = one(eqx.combine(p, static), state, (x[idx], y[idx]), key)
             return eqx.filter(m, eqx.is_inexact_array), state
@@ -251,8 +257,15 @@ def main():
         "e.g. 4,5 5,5 5,10 (default: eqfisher at its defaults)",
     )
     add_inverse_dim_argument(parser)
+    parser.add_argument(
+        "--xla-defaults",
+        action="store_true",
+        help="compile eqfisher's step with XLA's defaults",
+    )
     args = parser.parse_args()
     options = inverse_dim_options(args.max_inverse_dim)
+    if args.xla_defaults:
+        options["xla_defaults"] = True
     periods = (
         [tuple(int(v) for v in p.split(",")) for p in args.eqfisher_periods]
         if args.eqfisher_periods
