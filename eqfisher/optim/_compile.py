@@ -13,25 +13,29 @@ import jax.numpy as jnp
 # XLA:CPU's element-wise code from its older emitters, optimised by LLVM at -O1: on
 # jaxlib 0.9-0.10 the XLA compile of a `kfac_step` takes about half the time of
 # XLA's defaults (the newer fusion emitters' pipeline is most of it), its steps
-# 0-10% longer (benchmarks/RESULTS.md, "Issue 26, sixth session"). jaxlib 0.12 has
-# only the newer emitters: the option is refused there, and nothing is set.
-_CPU_FAST_COMPILE = {
-    "xla_cpu_use_fusion_emitters": False,
-    "xla_backend_optimization_level": 1,
-}
+# 0-10% longer. jaxlib 0.12 has only the newer emitters and refuses the first
+# option; -O1 alone saves 6-13% of its XLA compile there, steps unchanged
+# (benchmarks/RESULTS.md, "Issue 26, sixth session"). The first set the compiler
+# takes is used.
+_CPU_CANDIDATES = (
+    {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1},
+    {"xla_backend_optimization_level": 1},
+)
 
 
 @functools.cache
-def _accepted(backend: str) -> bool:
-    """Whether the compiler of `backend`, the default one, takes
-    `_CPU_FAST_COMPILE` (a tiny compile)."""
+def _cpu_options(backend: str) -> tuple[tuple[str, Any], ...]:
+    """The first of `_CPU_CANDIDATES` that the compiler of `backend`, the default
+    one, takes (tried on a one-op function), as items; none when it takes none."""
     del backend  # the cache's key
-    try:  # ahead of time: allowed inside a trace too
-        x = jax.ShapeDtypeStruct((), jnp.float32)
-        jax.jit(jnp.negative).lower(x).compile(dict(_CPU_FAST_COMPILE))
-    except RuntimeError:  # jax.errors.JaxRuntimeError: no such compile option
-        return False
-    return True
+    x = jax.ShapeDtypeStruct((), jnp.float32)
+    for options in _CPU_CANDIDATES:
+        try:  # ahead of time: allowed inside a trace too
+            jax.jit(jnp.negative).lower(x).compile(dict(options))
+        except RuntimeError:  # jax.errors.JaxRuntimeError: no such compile option
+            continue
+        return tuple(options.items())
+    return ()
 
 
 def fast_compile_options() -> dict[str, Any]:
@@ -41,8 +45,9 @@ def fast_compile_options() -> dict[str, Any]:
     -O1. The XLA compile of `kfac_step`'s step takes 0.4-0.6 of its time at XLA's
     defaults on the five problems of `benchmarks/kfac_defaults.py` and the 12-block
     GPT, and its steps 0-10% longer: worth it for runs of up to a few thousand
-    steps. Elsewhere (a GPU, jaxlib 0.12, which has only the newer emitters) an
-    empty dict: nothing applies.
+    steps. With jaxlib 0.12, which has only the newer emitters, LLVM at -O1 alone:
+    0.87-0.94 of the XLA compile, steps unchanged. On a GPU an empty dict: nothing
+    applies.
 
     `kfac_step(..., fast_compile=True)` (the default) compiles its step with these;
     a step jitted by hand can too, as `jax.jit(step, compiler_options=...)` or
@@ -62,9 +67,7 @@ def fast_compile_options() -> dict[str, Any]:
         ```
     """
     backend = jax.default_backend()
-    if backend != "cpu" or not _accepted(backend):
-        return {}
-    return dict(_CPU_FAST_COMPILE)
+    return dict(_cpu_options(backend)) if backend == "cpu" else {}
 
 
 def _nested_options_error(error: ValueError) -> bool:
