@@ -17,7 +17,7 @@ import jax.numpy as jnp
 # option; -O1 alone saves 6-13% of its XLA compile there, steps unchanged
 # (benchmarks/RESULTS.md, "Issue 26, sixth session"). The first set the compiler
 # takes is used.
-_CPU_CANDIDATES = (
+_CPU_CANDIDATES: tuple[dict[str, Any], ...] = (
     {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1},
     {"xla_backend_optimization_level": 1},
 )
