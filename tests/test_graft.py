@@ -144,3 +144,26 @@ def test_graft_must_be_a_transformation(unchecked):
     del unchecked
     with pytest.raises(TypeError, match="graft"):
         optim.kfac(0.03, like=like(), graft="adam")  # pyright: ignore[reportArgumentType]
+
+
+def test_a_flattened_adam_magnitude_takes_the_same_steps():
+    # `optax.flatten` keeps Adam's moments as one vector (fewer kernels for a model
+    # of many small leaves, docs/optim.md): the same element-wise arithmetic, so
+    # the same steps, with a state of another structure.
+    model, _ = problem()
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    runs = []
+    for magnitude in (optax.scale_by_adam(), optax.flatten(optax.scale_by_adam())):
+        opt = optim.kfac(0.03, like=like(), graft=magnitude)
+        state = opt.init(params)
+        p = params
+        for batch in _batches(4):
+            _, grads, curv = VGC(eqx.combine(p, static), batch)
+            updates, state = opt.update(grads, state, p, curvature=curv)
+            p = eqx.apply_updates(p, updates)
+        runs.append((p, state))
+    (p_leaf, s_leaf), (p_flat, s_flat) = runs
+    assert tree_allclose(p_flat, p_leaf, rtol=1e-12, atol=1e-14)
+    moments = s_flat[0].magnitude  # Adam's state, its moments flat vectors
+    assert jnp.ndim(moments.mu) == 1
+    assert jax.tree.structure(s_flat) != jax.tree.structure(s_leaf)
