@@ -220,6 +220,17 @@ def test_composes_with_optax_chain_clip_and_mask():
         (dict(damping=1e-3, decay=-0.1), "decay"),
         (dict(damping=1e-3, inverse_every=0), "inverse_every"),
         (dict(damping=1e-3, norm_constraint=0.0), "norm_constraint"),
+        # Constants are checked here, in full: no check of them is traced per step.
+        (dict(damping=float("inf")), "`damping` must be finite"),
+        (dict(damping=float("nan")), "`damping` must be finite"),
+        (
+            dict(damping=1e-3, learning_rate=float("inf")),
+            "`learning_rate` must be finite",
+        ),
+        (
+            dict(damping=1e-3, learning_rate=jnp.asarray(jnp.nan)),
+            "`learning_rate` must",
+        ),
     ],
 )
 def test_bad_hyperparameters(kwargs, match):

@@ -19,6 +19,7 @@ from ._state import (
     check_range,
     checked_at,
     choose_tree,
+    is_constant,
     like_mismatch,
     require_estimate,
     value_at,
@@ -286,6 +287,8 @@ def _preconditioner(
 
     def damping_at(count):
         lam = value_at(damping, count)
+        if is_constant(damping):  # checked when built: no check traced per step
+            return lam
         return checked_at(caller, "damping", lam, lam, allow_zero=False)
 
     def init(params):
@@ -307,7 +310,10 @@ def _preconditioner(
         )
         direction = precondition(updates, state)
         lr = value_at(learning_rate, state.count)
-        direction = checked_at(caller, "learning_rate", lr, direction, allow_zero=True)
+        if not is_constant(learning_rate):  # a constant was checked when built
+            direction = checked_at(
+                caller, "learning_rate", lr, direction, allow_zero=True
+            )
         ok = None
         if norm_constraint is not None:
             direction, ok = _constrain(direction, updates, norm_constraint, lr)

@@ -1,5 +1,6 @@
 """The K-FAC optimiser state, its defaults and shared checks."""
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -91,19 +92,26 @@ def value_at(x: ScalarOrSchedule, count: Array) -> Array:
 def check_range(
     caller: str, name: str, value: Any, low: float, high: float | None, closed: bool
 ) -> None:
-    if callable(value) or isinstance(value, jax.core.Tracer):
+    if not is_constant(value):
         return
     v = float(value)
     ok = (v >= low if closed else v > low) and (high is None or v < high)
-    if not ok:
+    if not ok or not math.isfinite(v):
         if high is None:
             bounds = f">= {low}" if closed else f"> {low}"
         else:
             bounds = f"in [{low}, {high})" if closed else f"in ({low}, {high})"
         raise ValueError(
             f"`eqfisher.optim.{caller}(..., {name}=...)`: `{name}` must be "
-            f"{bounds}, got {value!r}."
+            f"finite and {bounds}, got {value!r}."
         )
+
+
+def is_constant(value: Any) -> bool:
+    """Whether a hyperparameter is a constant known when the optimiser is built
+    (checked then, by `check_range`), not a schedule or a traced array (checked at
+    each update, by `checked_at`)."""
+    return not callable(value) and not isinstance(value, jax.core.Tracer)
 
 
 def check_positive_int(caller: str, name: str, value: Any) -> None:
