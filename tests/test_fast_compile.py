@@ -100,7 +100,7 @@ def test_fast_compile_must_be_a_bool():
 def test_options_are_found_inside_a_trace_too():
     from eqfisher.optim import _compile
 
-    _compile._cpu_options.cache_clear()  # the first call inside a jit: probed there
+    _compile._cpu_options.cache_clear()  # so the first call, inside a jit, probes
     inside = []
     jax.jit(lambda x: (inside.append(optim.fast_compile_options()), x)[1])(1.0)
     assert inside == [optim.fast_compile_options()]

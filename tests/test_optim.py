@@ -223,6 +223,7 @@ def test_composes_with_optax_chain_clip_and_mask():
         # Constants are checked here, in full: no check of them is traced per step.
         (dict(damping=float("inf")), "`damping` must be finite"),
         (dict(damping=float("nan")), "`damping` must be finite"),
+        (dict(damping=1e-3, norm_constraint=float("inf")), "norm_constraint"),
         (
             dict(damping=1e-3, learning_rate=float("inf")),
             "`learning_rate` must be finite",

@@ -24,10 +24,9 @@ _CPU_CANDIDATES: tuple[dict[str, Any], ...] = (
 
 
 @functools.cache
-def _cpu_options(backend: str) -> tuple[tuple[str, Any], ...]:
-    """The first of `_CPU_CANDIDATES` that the compiler of `backend`, the default
-    one, takes (tried on a one-op function), as items; none when it takes none."""
-    del backend  # the cache's key
+def _cpu_options() -> tuple[tuple[str, Any], ...]:
+    """The first of `_CPU_CANDIDATES` that the CPU compiler takes (tried once on a
+    one-op function), as items; none when it takes none."""
     x = jax.ShapeDtypeStruct((), jnp.float32)
     for options in _CPU_CANDIDATES:
         try:  # ahead of time: allowed inside a trace too
@@ -66,8 +65,7 @@ def fast_compile_options() -> dict[str, Any]:
         assert double(jnp.ones(3))[0] == 2.0
         ```
     """
-    backend = jax.default_backend()
-    return dict(_cpu_options(backend)) if backend == "cpu" else {}
+    return dict(_cpu_options()) if jax.default_backend() == "cpu" else {}
 
 
 def _nested_options_error(error: ValueError) -> bool:

@@ -84,8 +84,9 @@ def kfac_step(
     **Raises:**
 
     `ValueError` when `curvature_update_period` or `curvature_batch_size` is not a
-    positive integer; `TypeError` when `fast_compile` is not a bool; at the first step, when `optimiser`'s state holds no K-FAC
-    state, and the errors of `eqfisher.value_grad_and_curvature`.
+    positive integer; `TypeError` when `fast_compile` is not a bool; at the first
+    step, when `optimiser`'s state holds no K-FAC state, and the errors of
+    `eqfisher.value_grad_and_curvature`.
 
     !!! Example
 
