@@ -642,6 +642,43 @@ def test_curvature_due_false_is_the_update_without_curvature(jit):
         opt.update(grads, state, params, curvature_due=jnp.asarray(True))
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_curvature_function_is_called_where_it_is_due(jit):
+    # `curvature=` may be a function returning the curvature (what kfac_step
+    # passes): it is called inside the `cond` on `curvature_due`, and the update is
+    # exactly the one given the curvature itself.
+    model, batch = _problem()
+    _, grads, curv = VGC(model, batch)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    opt = optim.kfac(0.1, like=_like())
+    update = eqx.filter_jit(opt.update) if jit else opt.update
+    _, state = update(grads, opt.init(params), params, curvature=curv)
+    doubled = jax.tree.map(lambda x: 2 * x, curv)
+    calls = []
+
+    def estimate():
+        calls.append(1)
+        return doubled
+
+    assert _leaves_equal(
+        update(grads, state, params, curvature=estimate),
+        update(grads, state, params, curvature=doubled),
+    )
+    for due in (True, False):
+        got = update(
+            grads, state, params, curvature=estimate, curvature_due=jnp.asarray(due)
+        )
+        want = (
+            update(grads, state, params, curvature=doubled)
+            if due
+            else update(grads, state, params)
+        )
+        assert _leaves_equal(got, want)
+        count = optim.find_kfac_state(got[1]).curvature_count
+        assert int(count) == (2 if due else 1)
+    assert calls  # traced (or run) by the update, not before it
+
+
 def test_amortised_steps_reuse_the_cached_inverse():
     model, batch = _problem()
     opt = optim.kfac(0.1, like=_like(), inverse_every=1)

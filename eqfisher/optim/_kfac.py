@@ -102,26 +102,31 @@ def receive(
     caller: str,
     updates: PyTree,
     state: KFACState,
-    curvature: Curvature | None,
+    curvature: Curvature | Callable[[], Curvature] | None,
     due: Array | None,
     fold_in: Callable[[KFACState, Curvature], KFACState],
 ) -> tuple[PyTree, KFACState]:
     """`(updates, state)` after an update's `curvature=` and `curvature_due=`:
     `fold_in(state, curvature)` folds an estimate in; without one (no
     `curvature`, or `due` False) the updates are checked to follow an estimate
-    (`require_estimate`)."""
+    (`require_estimate`). A function `curvature` is called where the estimate is
+    folded in: inside the `lax.cond` on `due`, so computed only when due."""
     if curvature is None:
         if due is not None:
             raise ValueError(
                 f"`eqfisher.optim.{caller}(...).update(..., curvature_due=...)` "
-                "needs `curvature=`: the placeholder curvature it qualifies."
+                "needs `curvature=`: the curvature, or a function returning it."
             )
         return require_estimate(caller, updates, state), state
+
+    def folded() -> KFACState:
+        return fold_in(state, curvature() if callable(curvature) else curvature)
+
     if due is None:
-        return updates, fold_in(state, curvature)
+        return updates, folded()
     updates = require_estimate(caller, updates, state, unless=due)
     # Between estimates the average is passed through, not recomputed and selected.
-    return updates, jax.lax.cond(due, lambda: fold_in(state, curvature), lambda: state)
+    return updates, jax.lax.cond(due, folded, lambda: state)
 
 
 def precondition(updates: PyTree, state: KFACState) -> PyTree:
@@ -214,7 +219,10 @@ def kfac_preconditioner(
     between curvature estimates. `update(grads, state, params, curvature=curv,
     curvature_due=due)`, with `due` a boolean array, is the first where `due` is
     true and the second (`curv` a placeholder, e.g. zeros) where it is false:
-    chosen inside jit without tracing the update twice, as `kfac_step` does. A
+    chosen inside jit without tracing the update twice. `curv` may also be a
+    function of no arguments returning the curvature: it is called inside the
+    `lax.cond` on `due` (or at once without `curvature_due`), so the statistics
+    are computed only at the steps that use them, as `kfac_step` does. A
     curvature holding NaN or inf is not averaged in
     (counted in `state.nonfinite_count`); a non-finite update is replaced by zero
     (counted in `state.skipped_count`).

@@ -4,7 +4,6 @@ from collections.abc import Callable
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import optax
 from jaxtyping import Array, PyTree
 
@@ -51,7 +50,8 @@ def kfac_step(
     pulls the estimator's vectors back through that forward and forms the
     curvature. Only that part is inside the `cond`: the model's forward and
     backward, and the optimiser's update, are compiled once (the update receives
-    a placeholder curvature with `curvature_due=False` between estimates).
+    the curvature as a function, with `curvature_due`, and calls it inside its
+    `cond` that folds the estimate in).
 
     **Arguments:**
 
@@ -128,15 +128,13 @@ def kfac_step(
             def curvature():
                 return vgc(model, sub, key=key)[2]
 
-        if due is None:
-            curv = curvature()
-        else:
-            placeholder = jax.tree_util.tree_map(
-                lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(curvature)
-            )
-            curv = jax.lax.cond(due, curvature, lambda: placeholder)
+        # The optimiser calls `curvature` inside its `lax.cond` on `due`.
         updates, opt_state = optimiser.update(
-            grads, opt_state, params, curvature=curv, curvature_due=due
+            grads,
+            opt_state,
+            params,
+            curvature=curvature if due is not None else curvature(),
+            curvature_due=due,
         )
         return eqx.apply_updates(model, updates), opt_state, loss
 
