@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, PyTree
 
-from ._state import where_tree
+from ._state import choose_tree
 
 
 class GraftState(NamedTuple):
@@ -106,7 +106,7 @@ def graft(
         # gradient makes its leaf's magnitude non-finite.
         finite = [jnp.isfinite(n) for n in jax.tree_util.tree_leaves(m_norms)]
         ok = jnp.all(jnp.stack(finite)) if finite else jnp.asarray(True)
-        m_state = where_tree(ok, m_state, state.magnitude)
+        m_state = choose_tree(ok, m_state, state.magnitude)
         return out, GraftState(d_state, m_state)
 
     return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
