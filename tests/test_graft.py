@@ -118,6 +118,37 @@ def test_a_zero_direction_gets_no_step():
     assert int(optim.find_kfac_state(state).nonfinite_count) == 1
 
 
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
+def test_a_nonfinite_direction_anywhere_gets_no_step(bad):
+    # A direction holding NaN or inf in one leaf: no leaf steps, and nothing
+    # non-finite comes out (the magnitude, Adam's, is finite throughout).
+    model, batch = problem()
+    params = eqx.filter(model, eqx.is_inexact_array)
+    _, grads, _ = VGC(model, batch)
+
+    def spoilt(updates, state, params=None):
+        del params
+        first = jax.tree.leaves(updates)[0]
+        return eqx.tree_at(lambda u: jax.tree.leaves(u)[0], updates, first * bad), state
+
+    direction = optax.GradientTransformation(lambda p: optax.EmptyState(), spoilt)
+    opt = optim.graft(direction, optax.scale_by_adam())
+    updates, _ = eqx.filter_jit(opt.update)(grads, opt.init(params), params)
+    assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(updates))
+    # Without it, every leaf steps Adam's length.
+    direction = optax.GradientTransformation(
+        lambda p: optax.EmptyState(), lambda u, s, p=None: (u, s)
+    )
+    opt = optim.graft(direction, optax.scale_by_adam())
+    updates, _ = opt.update(grads, opt.init(params), params)
+    with jax.numpy_dtype_promotion("standard"):  # optax's bias correction
+        adam, _ = optax.scale_by_adam().update(
+            grads, optax.scale_by_adam().init(params)
+        )
+    for u, a in zip(jax.tree.leaves(updates), jax.tree.leaves(adam)):
+        assert np.isclose(float(jnp.linalg.norm(u)), float(jnp.linalg.norm(a)))
+
+
 def test_grafted_kfac_trains_in_a_scan_with_one_state_structure():
     model, batch = problem()
     params, static = eqx.partition(model, eqx.is_inexact_array)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, PyTree
 
-from ._state import choose_tree
+from ._state import all_finite, where_tree
 
 
 class GraftState(NamedTuple):
@@ -53,8 +53,8 @@ def graft(
     learning rate means what it means for the magnitude's optimiser (as
     Shampoo's grafting, Agarwal et al. 2020). A leaf whose direction is zero (no
     curvature received yet) gets no step, and one whose magnitude is not finite
-    gets none either; gradients holding NaN or inf leave the magnitude's state
-    as it was.
+    gets none either; a direction holding NaN or inf in any leaf gives no step
+    at all; gradients holding NaN or inf leave the magnitude's state as it was.
 
     **Arguments:**
 
@@ -92,21 +92,27 @@ def graft(
         with jax.numpy_dtype_promotion("standard"):
             m, m_state = magnitude.update(updates, state.magnitude, params)
 
-        m_norms = jax.tree_util.tree_map(_norm, m)
-
-        def grafted(x, m_norm):
-            d_norm = _norm(x)
-            ok = (d_norm > 0) & jnp.isfinite(m_norm) & jnp.isfinite(d_norm)
-            scale = jnp.where(ok, m_norm / jnp.where(ok, d_norm, 1.0), 0.0)
-            return scale.astype(x.dtype) * x
-
+        d_leaves, treedef = jax.tree_util.tree_flatten(d)
         # Raises when the two transformations' updates differ in structure.
-        out = jax.tree_util.tree_map(grafted, d, m_norms)
-        # The norms double as the finiteness test of the gradients: a NaN or inf
-        # gradient makes its leaf's magnitude non-finite.
-        finite = [jnp.isfinite(n) for n in jax.tree_util.tree_leaves(m_norms)]
-        ok = jnp.all(jnp.stack(finite)) if finite else jnp.asarray(True)
-        m_state = choose_tree(ok, m_state, state.magnitude)
-        return out, GraftState(d_state, m_state)
+        m_leaves = treedef.flatten_up_to(m)
+        if not d_leaves:
+            return d, GraftState(d_state, m_state)
+        # Every leaf's two norms and scale as vectors: one kernel for the scalar
+        # arithmetic of all leaves, not a few per leaf.
+        dtype = jnp.result_type(*d_leaves, *m_leaves)
+        d_norms = jnp.stack([_norm(x).astype(dtype) for x in d_leaves])
+        m_norms = jnp.stack([_norm(x).astype(dtype) for x in m_leaves])
+        # A direction holding NaN or inf anywhere gives no step at all.
+        step = jnp.all(jnp.isfinite(d_norms))
+        ok = step & (d_norms > 0) & jnp.isfinite(m_norms)
+        scales = jnp.where(ok, m_norms / jnp.where(ok, d_norms, 1.0), 0.0)
+        out = [
+            jnp.where(step, scales[i].astype(x.dtype) * x, jnp.zeros_like(x))
+            for i, x in enumerate(d_leaves)
+        ]
+        # Known before the magnitude's update, the test lets XLA fuse each leaf's
+        # select into the kernel that updates that leaf's state.
+        m_state = where_tree(all_finite(updates), m_state, state.magnitude)
+        return jax.tree_util.tree_unflatten(treedef, out), GraftState(d_state, m_state)
 
     return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]

@@ -130,8 +130,16 @@ def receive(
 
 
 def precondition(updates: PyTree, state: KFACState) -> PyTree:
+    # No finite curvature seen yet: no step rather than an unpreconditioned one.
+    # The gradients are zeroed, not the direction: the cached inverse is finite
+    # (zeros before the first estimate), so its `mv` of zeros is zero, and the
+    # select fuses into the `mv`'s operands instead of a kernel per leaf after it.
+    seen = state.curvature_count > 0
+    updates = jax.tree_util.tree_map(
+        lambda x: jnp.where(seen, x, jnp.zeros_like(x)), updates
+    )
     try:
-        direction = state.inverse.mv(updates)
+        return state.inverse.mv(updates)
     except ValueError as e:
         raise ValueError(
             "`kfac_preconditioner.update`: the gradients and the curvature cover "
@@ -139,10 +147,6 @@ def precondition(updates: PyTree, state: KFACState) -> PyTree:
             "optimiser in `optax.masked(..., eqfisher.filters.optax_mask(model, "
             "where))`."
         ) from e
-    # No finite curvature seen yet: no step rather than an unpreconditioned one.
-    return jax.tree_util.tree_map(
-        lambda x: jnp.where(state.curvature_count > 0, x, jnp.zeros_like(x)), direction
-    )
 
 
 def _constrain(direction, grads, constraint, learning_rate) -> tuple[PyTree, Array]:
@@ -160,15 +164,18 @@ def _constrain(direction, grads, constraint, learning_rate) -> tuple[PyTree, Arr
 
 
 def guard(
-    direction: PyTree, state: KFACState, ok: Array | None = None
+    direction: PyTree, state: KFACState, ok: Array | None = None, zero: bool = True
 ) -> tuple[PyTree, KFACState]:
     """A non-finite update (NaN gradients, a blown-up inverse) becomes no step;
-    `ok`: whether `direction` is finite, when known (else computed here)."""
+    `ok`: whether `direction` is finite, when known (else computed here). With
+    `zero=False` it is only counted: for a caller that zeroes a non-finite update
+    itself (`graft` does, fused into its own step)."""
     if ok is None:
         ok = all_finite(direction)
-    direction = jax.tree_util.tree_map(
-        lambda x: jnp.where(ok, x, jnp.zeros_like(x)), direction
-    )
+    if zero:
+        direction = jax.tree_util.tree_map(
+            lambda x: jnp.where(ok, x, jnp.zeros_like(x)), direction
+        )
     state = state._replace(
         count=state.count + 1,
         skipped_count=state.skipped_count + (~ok).astype(jnp.int32),
@@ -285,9 +292,11 @@ def _preconditioner(
     damping_variant: AbstractDamping,
     norm_constraint: float | None,
     learning_rate: ScalarOrSchedule,
+    zero_nonfinite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """`kfac_preconditioner`, with `caller` (the public function called) named in
-    its errors."""
+    its errors; `zero_nonfinite=False` leaves a non-finite direction as it is
+    (still counted in `skipped_count`), for `graft`, which gives it no step."""
     check_preconditioner_args(caller, like, "damping", damping, decay, inverse_every)
     check_range(caller, "learning_rate", learning_rate, 0.0, None, True)
     if norm_constraint is not None:
@@ -325,7 +334,7 @@ def _preconditioner(
         ok = None
         if norm_constraint is not None:
             direction, ok = _constrain(direction, updates, norm_constraint, lr)
-        return guard(direction, state, ok)
+        return guard(direction, state, ok, zero=zero_nonfinite)
 
     # optax types a state as an array tree; this one holds Curvatures (pytrees too).
     return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
@@ -422,6 +431,8 @@ def kfac(
         damping_variant=damping_variant,
         norm_constraint=norm_constraint,
         learning_rate=learning_rate,
+        # The graft gives a direction holding NaN or inf no step itself.
+        zero_nonfinite=graft is None,
     )
     parts: list[optax.GradientTransformation] = [
         preconditioner if graft is None else grafted(preconditioner, graft)
