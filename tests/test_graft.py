@@ -198,3 +198,28 @@ def test_a_flattened_adam_magnitude_takes_the_same_steps():
     moments = s_flat[0].magnitude  # Adam's state, its moments flat vectors
     assert jnp.ndim(moments.mu) == 1
     assert jax.tree.structure(s_flat) != jax.tree.structure(s_leaf)
+
+
+def test_graft_takes_leaves_of_different_float_widths():
+    # A bfloat16 and a float32 leaf (under the suite's strict dtype promotion):
+    # each steps in its own dtype, at Adam's length for that leaf.
+    params = {
+        "half": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.bfloat16),
+        "single": jnp.linspace(1.0, 2.0, 4, dtype=jnp.float32),
+    }
+    grads = jax.tree.map(lambda p: (2 * p).astype(p.dtype), params)
+    direction = optax.GradientTransformation(
+        lambda p: optax.EmptyState(), lambda u, s, p=None: (u, s)
+    )
+    opt = optim.graft(direction, optax.scale_by_adam())
+    updates, _ = opt.update(grads, opt.init(params), params)
+    assert updates["half"].dtype == jnp.bfloat16
+    assert updates["single"].dtype == jnp.float32
+    with jax.numpy_dtype_promotion("standard"):  # optax's bias correction
+        adam, _ = optax.scale_by_adam().update(
+            grads, optax.scale_by_adam().init(params)
+        )
+    for name in params:
+        got = float(jnp.linalg.norm(updates[name].astype(jnp.float32)))
+        want = float(jnp.linalg.norm(adam[name].astype(jnp.float32)))
+        assert np.isclose(got, want, rtol=1e-2)

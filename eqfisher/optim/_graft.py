@@ -99,7 +99,10 @@ def graft(
             return d, GraftState(d_state, m_state)
         # Every leaf's two norms and scale as vectors: one kernel for the scalar
         # arithmetic of all leaves, not a few per leaf.
-        dtype = jnp.result_type(*d_leaves, *m_leaves)
+        # Float32, or float64 when a leaf is: leaves of other widths do not mix
+        # implicitly (strict dtype promotion), and bfloat16 norms would overflow.
+        widest = max(jnp.dtype(x.dtype).itemsize for x in (*d_leaves, *m_leaves))
+        dtype = jnp.float64 if widest >= 8 else jnp.float32
         d_norms = jnp.stack([_norm(x).astype(dtype) for x in d_leaves])
         m_norms = jnp.stack([_norm(x).astype(dtype) for x in m_leaves])
         # A direction holding NaN or inf anywhere gives no step at all.

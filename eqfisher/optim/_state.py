@@ -202,7 +202,10 @@ def all_finite(tree: PyTree) -> Array:
     leaves = [jnp.ravel(x) for x in jax.tree_util.tree_leaves(tree)]
     if not leaves:
         return jnp.asarray(True)
-    dtype = jnp.result_type(*leaves)
+    # Cast explicitly (bfloat16 beside float32 has no implicit common type under
+    # strict promotion); a cast keeps NaN and inf.
+    widest = max(jnp.dtype(x.dtype).itemsize for x in leaves)
+    dtype = jnp.float64 if widest >= 8 else jnp.float32
     return jnp.all(jnp.isfinite(jnp.concatenate([x.astype(dtype) for x in leaves])))
 
 
