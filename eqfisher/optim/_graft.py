@@ -98,13 +98,13 @@ def graft(
         if not d_leaves:
             return d, GraftState(d_state, m_state)
         # Every leaf's two norms and scale as vectors: one kernel for the scalar
-        # arithmetic of all leaves, not a few per leaf.
-        # Float32, or float64 when a leaf is: leaves of other widths do not mix
-        # implicitly (strict dtype promotion), and bfloat16 norms would overflow.
+        # arithmetic of all leaves, not a few per leaf. In float32, or float64 when
+        # a leaf is: leaves of other widths (bfloat16 beside float32) have no
+        # implicit common type under strict dtype promotion.
         widest = max(jnp.dtype(x.dtype).itemsize for x in (*d_leaves, *m_leaves))
         dtype = jnp.float64 if widest >= 8 else jnp.float32
-        d_norms = jnp.stack([_norm(x).astype(dtype) for x in d_leaves])
-        m_norms = jnp.stack([_norm(x).astype(dtype) for x in m_leaves])
+        d_norms = jnp.stack([_norm(x.astype(dtype)) for x in d_leaves])
+        m_norms = jnp.stack([_norm(x.astype(dtype)) for x in m_leaves])
         # A direction holding NaN or inf anywhere gives no step at all.
         step = jnp.all(jnp.isfinite(d_norms))
         ok = step & (d_norms > 0) & jnp.isfinite(m_norms)
