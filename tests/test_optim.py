@@ -605,11 +605,10 @@ def test_nonfinite_guard_keeps_parameters_finite_on_a_nan_batch(momentum):
     assert not _leaves_equal(params, before)
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-def test_curvature_due_false_is_the_update_without_curvature(jit):
-    # `curvature_due=False` marks `curvature=` as a placeholder (what kfac_step
-    # passes between estimates, so that the update is traced once): the update
-    # and the state are those of an update without curvature; True is an estimate.
+def _after_one_estimate(jit):
+    """`(opt, update, grads, params, curv, state, doubled)`: `kfac`'s update
+    (jitted or not) and its state after one curvature estimate, and that
+    curvature doubled (a second estimate that changes the average)."""
     model, batch = _problem()
     _, grads, curv = VGC(model, batch)
     params = eqx.filter(model, eqx.is_inexact_array)
@@ -617,6 +616,15 @@ def test_curvature_due_false_is_the_update_without_curvature(jit):
     update = eqx.filter_jit(opt.update) if jit else opt.update
     _, state = update(grads, opt.init(params), params, curvature=curv)
     doubled = jax.tree.map(lambda x: 2 * x, curv)
+    return opt, update, grads, params, curv, state, doubled
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_curvature_due_false_is_the_update_without_curvature(jit):
+    # `curvature_due=False` marks `curvature=` as a placeholder (what kfac_step
+    # passes between estimates, so that the update is traced once): the update
+    # and the state are those of an update without curvature; True is an estimate.
+    opt, update, grads, params, curv, state, doubled = _after_one_estimate(jit)
     zeros = jax.tree.map(jnp.zeros_like, curv)
     want = update(grads, state, params)
     got = update(
@@ -647,13 +655,7 @@ def test_a_curvature_function_is_called_where_it_is_due(jit):
     # `curvature=` may be a function returning the curvature (what kfac_step
     # passes): it is called inside the `cond` on `curvature_due`, and the update is
     # exactly the one given the curvature itself.
-    model, batch = _problem()
-    _, grads, curv = VGC(model, batch)
-    params = eqx.filter(model, eqx.is_inexact_array)
-    opt = optim.kfac(0.1, like=_like())
-    update = eqx.filter_jit(opt.update) if jit else opt.update
-    _, state = update(grads, opt.init(params), params, curvature=curv)
-    doubled = jax.tree.map(lambda x: 2 * x, curv)
+    _, update, grads, params, _, state, doubled = _after_one_estimate(jit)
     calls = []
 
     def estimate():

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, PyTree
 
-from ._state import all_finite, where_tree
+from ._state import all_finite, float_type, where_tree
 
 
 class GraftState(NamedTuple):
@@ -98,11 +98,8 @@ def graft(
         if not d_leaves:
             return d, GraftState(d_state, m_state)
         # Every leaf's two norms and scale as vectors: one kernel for the scalar
-        # arithmetic of all leaves, not a few per leaf. In float32, or float64 when
-        # a leaf is: leaves of other widths (bfloat16 beside float32) have no
-        # implicit common type under strict dtype promotion.
-        widest = max(jnp.dtype(x.dtype).itemsize for x in (*d_leaves, *m_leaves))
-        dtype = jnp.float64 if widest >= 8 else jnp.float32
+        # arithmetic of all leaves, not a few per leaf.
+        dtype = float_type([*d_leaves, *m_leaves])
         d_norms = jnp.stack([_norm(x.astype(dtype)) for x in d_leaves])
         m_norms = jnp.stack([_norm(x.astype(dtype)) for x in m_leaves])
         # A direction holding NaN or inf anywhere gives no step at all.

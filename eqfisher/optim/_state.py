@@ -1,7 +1,7 @@
 """The K-FAC optimiser state, its defaults and shared checks."""
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -195,6 +195,15 @@ def require_estimate(
     return updates
 
 
+def float_type(leaves: Sequence[Array]) -> type:
+    """The float type in which to reduce `leaves` together: float64 when one of
+    them is 64-bit, else float32. Leaves of different widths (bfloat16 beside
+    float32) have no implicit common type under strict dtype promotion, and a cast
+    keeps NaN and inf."""
+    widest = max(jnp.dtype(x.dtype).itemsize for x in leaves)
+    return jnp.float64 if widest >= 8 else jnp.float32
+
+
 def all_finite(tree: PyTree) -> Array:
     """Whether every element of every leaf is finite: one reduction over the leaves
     concatenated, which XLA fuses into one kernel (a reduction per leaf is a
@@ -202,10 +211,7 @@ def all_finite(tree: PyTree) -> Array:
     leaves = [jnp.ravel(x) for x in jax.tree_util.tree_leaves(tree)]
     if not leaves:
         return jnp.asarray(True)
-    # Cast explicitly (bfloat16 beside float32 has no implicit common type under
-    # strict promotion); a cast keeps NaN and inf.
-    widest = max(jnp.dtype(x.dtype).itemsize for x in leaves)
-    dtype = jnp.float64 if widest >= 8 else jnp.float32
+    dtype = float_type(leaves)
     return jnp.all(jnp.isfinite(jnp.concatenate([x.astype(dtype) for x in leaves])))
 
 

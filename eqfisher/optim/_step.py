@@ -128,13 +128,10 @@ def kfac_step(
             def curvature():
                 return vgc(model, sub, key=key)[2]
 
-        # The optimiser calls `curvature` inside its `lax.cond` on `due`.
+        # The optimiser calls `curvature` inside its `lax.cond` on `due` (at once
+        # when `due` is None: statistics every step).
         updates, opt_state = optimiser.update(
-            grads,
-            opt_state,
-            params,
-            curvature=curvature if due is not None else curvature(),
-            curvature_due=due,
+            grads, opt_state, params, curvature=curvature, curvature_due=due
         )
         return eqx.apply_updates(model, updates), opt_state, loss
 
