@@ -397,13 +397,16 @@ def test_batched_pi_damped_inverse_falls_back_per_step(eigh_max_dim, monkeypatch
     np.testing.assert_allclose(jax.grad(total)(0.1), numeric, rtol=1e-6)
 
 
-def test_shifted_inverses_by_size_class_equal_the_clamped_inverses():
-    """`kronecker.shifted_inverses` inverts stacks of matrix factors by size class,
-    each padded with an identity block to its class's size (100 and a stack of two
-    70s by Cholesky, 9 and 5 by eigendecomposition; 300 above `PAD_MAX_DIM`
-    alone), an indefinite one by the clamped eigendecomposition (a 70: Cholesky's
-    fallback), a diagonal one elementwise: each is (clamp(F) + shift·I)⁻¹."""
-    sizes = [5, 9, 3, 300, 4, 70, 100]
+@pytest.mark.parametrize("on_host", [True, False], ids=["host", "xla"])
+def test_shifted_inverses_by_size_class_equal_the_clamped_inverses(on_host):
+    """`kronecker.shifted_inverses` inverts stacks of matrix factors: on the host
+    (the CPU's default: `potrs` below `POTRI_MIN_DIM`, `potri` for the 400), or in
+    XLA by size class, each padded with an identity block to its class's size (100
+    and a stack of two 70s by Cholesky, 9 and 5 by eigendecomposition; 300 and 400
+    above `PAD_MAX_DIM` alone). An indefinite one is inverted by the clamped
+    eigendecomposition (a 70: Cholesky's fallback), a diagonal one elementwise:
+    each is (clamp(F) + shift·I)⁻¹."""
+    sizes = [5, 9, 3, 300, 4, 70, 100, 400]
     factors = []
     for i, d in enumerate(sizes):
         k = jr.normal(jr.key(i), (2, d, d + 2), F64)
@@ -413,7 +416,9 @@ def test_shifted_inverses_by_size_class_equal_the_clamped_inverses():
     factors[4] = jnp.diagonal(factors[4], axis1=1, axis2=2)  # diagonal factors
     factors = [f if i in (5, 6) else f[:1] for i, f in enumerate(factors)]
     shifts = [jnp.full(f.shape[:1], 0.1 * (i + 1), F64) for i, f in enumerate(factors)]
-    got = jax.jit(kronecker.shifted_inverses)(factors, shifts)
+    got = jax.jit(lambda f, s: kronecker.shifted_inverses(f, s, on_host))(
+        factors, shifts
+    )
     for stack, shift, inverses in zip(factors, shifts, got):
         assert inverses.shape == stack.shape and inverses.dtype == stack.dtype
         for f, s, inv in zip(stack, shift, inverses):

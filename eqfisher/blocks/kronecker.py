@@ -1,3 +1,4 @@
+import functools
 from collections.abc import Sequence
 from typing import cast
 
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 import jax.scipy.linalg
 from jaxtyping import Array, ArrayLike, Float, ScalarLike
 
-from .. import _linalg as linalg
+from .. import _host_linalg as host_linalg, _linalg as linalg
 from ._base import (
     AbstractBlock,
     Operand,
@@ -167,29 +168,72 @@ def _matrix_inverse(size: int):
     return _dense_shifted_inverse
 
 
-def shifted_inverses(factors: Sequence[Array], shifts: Sequence[Array]) -> list[Array]:
+def shifted_inverses(
+    factors: Sequence[Array], shifts: Sequence[Array], on_host: bool | None = None
+) -> list[Array]:
     """`(factor + shift·I)⁻¹` of stacks of PSD factors (`_shifted_inverse` on each):
     every factor has a leading stack axis, `(k, d, d)` for matrices, `(k, d)` for
-    diagonals, its shifts `(k,)`.
-
-    The matrices are inverted by size class, each class in one batched inverse (a
-    Cholesky with the eigendecomposition fallback of a stack, or for a class of
-    size at most `EIGH_MAX_DIM` the clamped eigendecomposition): a matrix is padded
-    with an identity block to the largest size in its class (the padded matrix is
-    block diagonal, so the top-left block of its inverse is the factor's), which
-    is at most twice its own, and its own above `PAD_MAX_DIM`. One program per
-    size class compiles several times faster than one per factor."""
-    out: list[Array | None] = [None] * len(factors)
-    matrices = sorted(
-        (i for i, f in enumerate(factors) if f.ndim == 3),
-        key=lambda i: -factors[i].shape[-1],
+    diagonals, its shifts `(k,)`. The matrices are inverted together: on the host,
+    in one callback (`_host_linalg.shifted_inverses`), where `on_host` is True, or
+    None and jax's default backend is the CPU; else in XLA, by size class
+    (`_class_inverses`). Differentiable either way."""
+    matrices = [i for i, f in enumerate(factors) if f.ndim == 3]
+    inverses = _matrix_inverses(
+        [factors[i] for i in matrices],
+        [shifts[i] for i in matrices],
+        host_linalg.use_host(on_host),
     )
+    out = dict(zip(matrices, inverses))
+    return [
+        out[i] if i in out else 1 / (jnp.maximum(f, 0) + s[:, None])
+        for i, (f, s) in enumerate(zip(factors, shifts))
+    ]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _matrix_inverses(
+    factors: list[Array], shifts: list[Array], on_host: bool
+) -> list[Array]:
+    if not factors:
+        return []
+    if on_host:
+        return host_linalg.shifted_inverses(factors, shifts)
+    return _class_inverses(factors, shifts)
+
+
+@_matrix_inverses.defjvp
+def _matrix_inverses_jvp(on_host, primals, tangents):
+    # d(M⁻¹) = −M⁻¹ dM M⁻¹, with M = factor + shift·I (the fallback's clamping
+    # taken as fixed).
+    inverses = _matrix_inverses(*primals, on_host)
+    d_factors, d_shifts = tangents
+    eye = [jnp.eye(inv.shape[-1], dtype=inv.dtype)[None] for inv in inverses]
+    d_inverses = [
+        -inv @ (df + ds[:, None, None] * i) @ inv
+        for inv, df, ds, i in zip(inverses, d_factors, d_shifts, eye)
+    ]
+    return inverses, d_inverses
+
+
+def _class_inverses(factors: list[Array], shifts: list[Array]) -> list[Array]:
+    """`shifted_inverses`'s matrices in XLA (off the CPU), by size class, each
+    class in one batched inverse (a Cholesky with the eigendecomposition fallback
+    of a stack, or for a class of size at most `EIGH_MAX_DIM` the clamped
+    eigendecomposition): a matrix is padded with an identity block to the largest
+    size in its class (the padded matrix is block diagonal, so the top-left block
+    of its inverse is the factor's), which is at most twice its own, and its own
+    above `PAD_MAX_DIM`. One program per size class compiles several times faster
+    than one per factor."""
+    out: list[Array | None] = [None] * len(factors)
+    matrices = sorted(range(len(factors)), key=lambda i: -factors[i].shape[-1])
     while matrices:  # the largest left, and those it pads
         size = factors[matrices[0]].shape[-1]
         least = size if size > PAD_MAX_DIM else (size + 1) // 2
         members = [i for i in matrices if factors[i].shape[-1] >= least]
         matrices = [i for i in matrices if i not in members]
+        # Half precisions are inverted in float32 (LAPACK has none below it).
         dtype = jnp.result_type(*(factors[i] for i in members))
+        dtype = dtype if jnp.dtype(dtype).itemsize >= 4 else jnp.float32
         padded = jnp.concatenate([_padded(factors[i], size, dtype) for i in members])
         shift = jnp.concatenate([jnp.asarray(shifts[i], dtype) for i in members])
         inverses = jax.vmap(_matrix_inverse(size))(padded, shift)
@@ -198,10 +242,7 @@ def shifted_inverses(factors: Sequence[Array], shifts: Sequence[Array]) -> list[
             k, d = factors[i].shape[:2]
             out[i] = inverses[start : start + k, :d, :d].astype(factors[i].dtype)
             start += k
-    return [
-        1 / (jnp.maximum(f, 0) + s[:, None]) if o is None else o
-        for f, s, o in zip(factors, shifts, out)
-    ]
+    return cast(list[Array], out)
 
 
 def _padded(factors: Array, size: int, dtype) -> Array:

@@ -227,10 +227,22 @@ class FactoredTikhonov(AbstractDamping):
     - `max_inverse_dim`: the widest factor inverted whole (default 1024, from
       the grid in `benchmarks/RESULTS.md`, "Issue 26, third session"), or `None`:
       every factor whole.
+    - `on_host`: where the factors inverted together (`invert`) are inverted.
+      `None` (the default): on the host where jax's default backend is the CPU,
+      else on the device. On the host, all of them are inverted in one
+      `jax.pure_callback` by SciPy's LAPACK (Cholesky, and the clamped
+      eigendecomposition where it fails), which XLA compiles as one call. A K-FAC
+      step then compiles 19–29% faster than with the same inverses in XLA (a
+      batched Cholesky per size class with its fallback), and runs as fast
+      (`benchmarks/RESULTS.md`, "Issue 26, eighth session"). `False`: in XLA
+      on every backend, for a step that JAX's persistent compilation cache can
+      store or `jax.export` can serialise (neither takes a program that calls back
+      into Python). `True`: on the host on every backend.
 
     **Raises:**
 
-    `ValueError` when `max_inverse_dim` is not a positive integer or `None`.
+    `ValueError` when `max_inverse_dim` is not a positive integer or `None`, or
+    `on_host` not a bool or `None`.
 
     !!! Example
 
@@ -263,8 +275,14 @@ class FactoredTikhonov(AbstractDamping):
     """
 
     max_inverse_dim: int | None = 1024
+    on_host: bool | None = None
 
     def __check_init__(self):
+        if self.on_host is not None and not isinstance(self.on_host, bool):
+            raise ValueError(
+                "`eqfisher.optim.FactoredTikhonov(on_host=...)`: True, False or None "
+                f"(on the host on the CPU), got {self.on_host!r}."
+            )
         dim = self.max_inverse_dim
         if dim is not None and (
             isinstance(dim, bool) or not isinstance(dim, int) or dim < 1
@@ -283,9 +301,10 @@ class FactoredTikhonov(AbstractDamping):
 
     def invert(self, curvature: Curvature, damping: ScalarLike) -> Curvature:
         """As `precompute` on every block, with the factors of all K-FAC blocks
-        (those of stacked layers too) inverted together, by size class
-        (`blocks.kronecker.shifted_inverses`): one program per size class instead
-        of one per factor."""
+        (those of stacked layers too) inverted together
+        (`blocks.kronecker.shifted_inverses`): on the host in one callback (see
+        `on_host`), or in XLA by size class, one program per size class instead of
+        one per factor."""
         stacked = {run[0] for run in curvature.runs}
         together = [k for k, b in curvature.stored.items() if _inverted_together(b)]
         rest = [k for k in curvature.stored if k not in together]
@@ -313,7 +332,9 @@ class FactoredTikhonov(AbstractDamping):
         for b in stacks:
             factors += [b.a, b.g]
             shifts += jax.vmap(lambda b: b.pi_damping_shifts(damping))(b)
-        inverses = iter(partitioned_inverses(factors, shifts, self.max_inverse_dim))
+        inverses = iter(
+            partitioned_inverses(factors, shifts, self.max_inverse_dim, self.on_host)
+        )
         out = []
         for b in stacks:
 
@@ -336,7 +357,10 @@ def _diagonal_blocks(d: int, max_dim: int) -> list[tuple[int, int]]:
 
 
 def partitioned_inverses(
-    factors: list[Array], shifts: list[Array], max_dim: int | None
+    factors: list[Array],
+    shifts: list[Array],
+    max_dim: int | None,
+    on_host: bool | None = None,
 ) -> list[Array]:
     """`blocks.kronecker.shifted_inverses`, with each matrix factor wider than
     `max_dim` replaced by its block diagonal (`_diagonal_blocks`): the inverse is
@@ -352,7 +376,7 @@ def partitioned_inverses(
             )
             pieces.append(piece)
             shifts_of_pieces.append(s)
-    inverses = iter(shifted_inverses(pieces, shifts_of_pieces))
+    inverses = iter(shifted_inverses(pieces, shifts_of_pieces, on_host))
     out = []
     for f, parts in zip(factors, plan):
         if parts is None:

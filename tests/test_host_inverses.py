@@ -1,0 +1,188 @@
+"""The K-FAC refresh's inverses on the host (`eqfisher._host_linalg`).
+
+On the CPU, `blocks.kronecker.shifted_inverses` inverts every matrix factor in one
+`jax.pure_callback` (SciPy's LAPACK); elsewhere, and wherever `on_host=False`, in
+XLA by size class. Checked: both against dense float64 inverses written here,
+their derivatives against central differences, Cholesky's fallback in float32,
+half precision, non-finite factors, `vmap`, what the compiled refresh contains,
+and a K-FAC run taking the same steps either way.
+"""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+import eqfisher as ef
+from eqfisher.blocks import kronecker
+
+
+F64 = jnp.float64
+PATHS = pytest.mark.parametrize("on_host", [True, False], ids=["host", "xla"])
+
+
+def _jitted(on_host):
+    return jax.jit(lambda f, s: kronecker.shifted_inverses(f, s, on_host))
+
+
+def _psd(key, k, d, dtype=F64, rank=None):
+    x = jr.normal(key, (k, d, rank or d + 2), dtype)
+    return x @ jnp.swapaxes(x, 1, 2) / d
+
+
+def _dense_inverse(f, s):
+    """(clamp(F) + s·I)⁻¹ in float64 NumPy."""
+    values, vectors = np.linalg.eigh(np.asarray(f, np.float64))
+    return (vectors / (np.maximum(values, 0) + float(s))) @ vectors.T
+
+
+@PATHS
+def test_derivatives_equal_central_differences(on_host):
+    factors = [_psd(jr.key(0), 2, 7), _psd(jr.key(1), 1, 20)]
+    shifts = [jnp.array([0.3, 0.5], F64), jnp.array([0.2], F64)]
+    d_factors = [_psd(jr.key(2), 2, 7), _psd(jr.key(3), 1, 20)]
+    d_shifts = [jnp.array([1.0, -2.0], F64), jnp.array([0.5], F64)]
+
+    def total(t):
+        fs = [f + t * df for f, df in zip(factors, d_factors)]
+        ss = [s + t * ds for s, ds in zip(shifts, d_shifts)]
+        return kronecker.shifted_inverses(fs, ss, on_host)
+
+    _, tangents = jax.jvp(total, (0.0,), (1.0,))
+    eps = 1e-6
+    plus, minus = total(eps), total(-eps)
+    for t, p, m in zip(tangents, plus, minus):
+        np.testing.assert_allclose(t, (p - m) / (2 * eps), rtol=1e-6, atol=1e-8)
+
+
+@PATHS
+def test_float32_cholesky_failure_falls_back_to_the_clamped_inverse(on_host):
+    """A rank-two PSD factor in float32 at a shift below its rounding (n·eps·‖F‖):
+    Cholesky fails, and the inverse is the clamped eigendecomposition's. float32
+    resolves the zero eigenvalues only to ±eps·‖F‖, so what it can promise is
+    checked: the inverse's spectrum within [0, 1/shift], and on F's range the
+    float64 inverse to float32's resolution."""
+    u = jr.normal(jr.key(4), (80, 2), jnp.float32)
+    factor = (u @ u.T)[None] * 1e5
+    shift = jnp.array([1e-2], jnp.float32)
+    eye = jnp.eye(80, dtype=jnp.float32)
+    assert not bool(jnp.all(jnp.isfinite(jnp.linalg.cholesky(factor[0] + 1e-2 * eye))))
+    (got,) = _jitted(on_host)([factor], [shift])
+    assert got.dtype == jnp.float32
+    inverse = np.asarray(got[0], np.float64)
+    values = np.linalg.eigvalsh((inverse + inverse.T) / 2)
+    assert values.min() >= -1e-3 and values.max() <= 100 * (1 + 1e-3)
+    q, _ = np.linalg.qr(np.asarray(u, np.float64))
+    want = _dense_inverse(factor[0], 1e-2)
+    # To float32's resolution of an inverse of norm 1/shift = 100.
+    np.testing.assert_allclose(q.T @ inverse @ q, q.T @ want @ q, atol=1e-4)
+
+
+@PATHS
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_half_precision_factors_are_inverted_in_float32(dtype, on_host):
+    factor = _psd(jr.key(5), 2, 12, jnp.float32).astype(dtype)
+    shift = jnp.array([0.5, 1.0], dtype)
+    (got,) = _jitted(on_host)([factor], [shift])
+    assert got.dtype == dtype
+    for f, s, inv in zip(factor, shift, got):
+        want = _dense_inverse(np.asarray(f, np.float32), np.float32(s))
+        np.testing.assert_allclose(np.asarray(inv, np.float32), want, atol=2e-2)
+
+
+def test_a_nonfinite_factor_gives_nan_on_the_host():
+    on_host = True
+    factor = _psd(jr.key(6), 2, 5).at[1, 0, 0].set(jnp.nan)
+    shift = jnp.array([0.1, 0.1], F64)
+    (got,) = _jitted(on_host)([factor], [shift])
+    np.testing.assert_allclose(got[0], _dense_inverse(factor[0], 0.1), rtol=1e-10)
+    assert bool(jnp.all(jnp.isnan(got[1])))
+
+
+@PATHS
+def test_vmap_equals_one_by_one(on_host):
+    factors = _psd(jr.key(7), 3 * 2, 6).reshape(3, 2, 6, 6)
+    shifts = jnp.linspace(0.1, 0.6, 6, dtype=F64).reshape(3, 2)
+    got = jax.jit(
+        jax.vmap(lambda f, s: kronecker.shifted_inverses([f], [s], on_host)[0])
+    )(factors, shifts)
+    for i in range(3):
+        for j in range(2):
+            want = _dense_inverse(factors[i, j], shifts[i, j])
+            np.testing.assert_allclose(got[i, j], want, rtol=1e-9, atol=1e-12)
+
+
+class _MLP(eqx.Module):
+    layers: tuple
+
+    def __init__(self, key):
+        keys = jr.split(key, 3)
+        sizes = (6, 12, 30, 3)  # a 7-, 13- and 31-wide input factor
+        self.layers = tuple(
+            eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes[:-1], sizes[1:], keys)
+        )
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = jnp.tanh(layer(x))
+        return self.layers[-1](x)
+
+
+def _problem():
+    model = _MLP(jr.key(8))
+    x = jr.normal(jr.key(9), (32, 6))
+    y = jr.randint(jr.key(10), (32,), 0, 3)
+
+    def loss_fn(model, batch):
+        xs, ys = batch
+        return ef.softmax_cross_entropy(jax.vmap(model)(xs), ys)
+
+    return model, (x, y), loss_fn
+
+
+@PATHS
+def test_the_refresh_is_one_callback_on_the_cpu(on_host):
+    """What the refresh's compiled program calls: the one host callback, or LAPACK's
+    kernels (three size classes here)."""
+    model, batch, loss_fn = _problem()
+    curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+    invert = jax.jit(
+        lambda c: ef.optim.FactoredTikhonov(on_host=on_host).invert(c, 0.1)
+    )
+    calls = re.findall(r"custom_call @(\w+)", invert.lower(curv).as_text())
+    if on_host:
+        assert len(calls) == 1 and "callback" in calls[0]
+    else:
+        assert calls and all(c.startswith("lapack_") for c in calls)
+
+
+def test_kfac_takes_the_same_steps_on_the_host_and_in_xla():
+    model, batch, loss_fn = _problem()
+    estimator, structure = ef.GGN(), ef.KFAC()
+    vgc = ef.value_grad_and_curvature(loss_fn, estimator=estimator, structure=structure)
+    like = ef.optim.curvature_like(vgc, model, batch)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    runs = []
+    for on_host in (True, False):
+        variant = ef.optim.FactoredTikhonov(on_host=on_host)
+        opt = ef.optim.kfac(1e-2, like=like, damping_variant=variant)
+        step = ef.optim.kfac_step(
+            loss_fn, opt, estimator=estimator, structure=structure, fast_compile=False
+        )
+        m, state = model, opt.init(params)
+        for _ in range(4):
+            m, state, _ = step(m, state, batch)
+        runs.append(eqx.filter(m, eqx.is_inexact_array))
+    for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0.0])
+def test_on_host_must_be_a_bool_or_none(bad, unchecked):
+    # As users see it (the runtime type check, on in the tests, refuses it first).
+    with pytest.raises(ValueError, match=r"FactoredTikhonov\(on_host=\.\.\.\)"):
+        ef.optim.FactoredTikhonov(on_host=bad)
