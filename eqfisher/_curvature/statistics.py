@@ -282,14 +282,15 @@ def _input_factor(
     aa, s, n = layer_inputs(record.kind).moments(
         record, x, reduce_examples, stat_dtype(x.dtype) if inexact else dtype, diagonal
     )
-    aa, s = (aa / n).astype(dtype), (s / n).astype(dtype)
-    one = jnp.ones((1,), dtype)
-    if with_bias and diagonal:
-        aa = jnp.concatenate([aa, one])
-    elif with_bias:
-        # [a; 1] blocks, without copying `a` into a wider matrix.
-        aa = jnp.block([[aa, s[:, None]], [s[None, :], one[None]]])
-    return aa, n
+    if with_bias:
+        # [a; 1] blocks, without copying `a` into a wider matrix, divided by n
+        # after they are joined: one kernel for the blocks and the division.
+        rows = jnp.full((1,), n, aa.dtype)
+        if diagonal:
+            aa = jnp.concatenate([aa, rows])
+        else:
+            aa = jnp.block([[aa, s[:, None]], [s[None, :], rows[None]]])
+    return (aa / n).astype(dtype), n
 
 
 def pooled_factors(
