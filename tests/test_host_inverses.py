@@ -57,6 +57,14 @@ def test_derivatives_equal_central_differences(on_host):
     plus, minus = total(eps), total(-eps)
     for t, p, m in zip(tangents, plus, minus):
         np.testing.assert_allclose(t, (p - m) / (2 * eps), rtol=1e-6, atol=1e-8)
+    # Reverse mode (the tangent rule transposed), jitted.
+    weights = [jr.normal(jr.key(11), f.shape, F64) for f in factors]
+
+    def scalar(t):
+        return sum(jnp.sum(w * inv) for w, inv in zip(weights, total(t)))
+
+    numeric = (scalar(eps) - scalar(-eps)) / (2 * eps)
+    np.testing.assert_allclose(jax.jit(jax.grad(scalar))(0.0), numeric, rtol=1e-6)
 
 
 @PATHS
