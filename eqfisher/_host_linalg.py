@@ -4,10 +4,9 @@ On the CPU, the K-FAC optimiser's refresh of its cached inverses
 (`blocks.kronecker.shifted_inverses`) runs here, all of it in one
 `jax.pure_callback`. XLA compiles the callback as one call. The same inverses
 written in XLA (a batched Cholesky per size class, each with its
-eigendecomposition fallback under a `lax.cond`) took a fifth to a quarter of a
-K-FAC training step's first-call compile, and ran no faster: it is the same
-LAPACK (benchmarks/RESULTS.md, "Issue 26, eighth session").
-"""
+eigendecomposition fallback under a `lax.cond`) took a fifth to a third of a
+K-FAC training step's first-call compile, and ran about as fast: it is the same
+LAPACK (benchmarks/RESULTS.md, "Issue 26, eighth session")."""
 
 import functools
 from collections.abc import Sequence
@@ -35,8 +34,10 @@ def shifted_inverses(factors: Sequence[Array], shifts: Sequence[Array]) -> list[
     """`(factor + shift·I)⁻¹` of stacks of PSD matrices, `(k, d, d)` each with its
     shifts `(k,)`, computed on the host in one callback: by Cholesky, or where
     that fails (float32 rounding) from the clamped eigendecomposition,
-    `(clamp(F) + shift·I)⁻¹`. A matrix that is not finite gives NaN. Not
-    differentiable itself (`blocks.kronecker` differentiates it)."""
+    `(clamp(F) + shift·I)⁻¹`. A matrix that is not finite, or whose
+    eigendecomposition does not converge, gives NaN (the optimiser then keeps its
+    last inverse). Not differentiable itself (`blocks.kronecker` differentiates
+    it)."""
     shapes = [jax.ShapeDtypeStruct(f.shape, f.dtype) for f in factors]
     return jax.pure_callback(
         _numpy_inverses, shapes, list(factors), list(shifts), vmap_method="sequential"
@@ -79,5 +80,8 @@ def _numpy_inverse(
             inverse = lower + np.tril(lower, -1).T
         if info == 0 and np.all(np.isfinite(inverse)):
             return inverse
-    values, vectors = np.linalg.eigh(factor)
+    try:
+        values, vectors = np.linalg.eigh(factor)
+    except np.linalg.LinAlgError:  # did not converge
+        return np.full_like(factor, np.nan)
     return (vectors / (np.maximum(values, 0) + shift)) @ vectors.T

@@ -111,6 +111,25 @@ def test_a_nonfinite_factor_gives_nan_on_the_host():
     assert bool(jnp.all(jnp.isnan(got[1])))
 
 
+def test_an_eigendecomposition_that_does_not_converge_gives_nan_on_the_host(
+    monkeypatch,
+):
+    """Cholesky fails on the indefinite factor and its fallback raises (as LAPACK
+    does when it does not converge): NaN, for the optimiser to keep its last
+    inverse, not an error out of the compiled step."""
+
+    def no_convergence(x):
+        raise np.linalg.LinAlgError("Eigenvalues did not converge")
+
+    factor = _psd(jr.key(12), 2, 5).at[1].add(-3 * jnp.eye(5, dtype=F64))
+    shift = jnp.array([0.1, 0.1], F64)
+    monkeypatch.setattr(np.linalg, "eigh", no_convergence)
+    (got,) = _jitted(True)([factor], [shift])
+    monkeypatch.undo()
+    np.testing.assert_allclose(got[0], _dense_inverse(factor[0], 0.1), rtol=1e-10)
+    assert bool(jnp.all(jnp.isnan(got[1])))
+
+
 @PATHS
 def test_vmap_equals_one_by_one(on_host):
     factors = _psd(jr.key(7), 3 * 2, 6).reshape(3, 2, 6, 6)

@@ -232,9 +232,12 @@ class FactoredTikhonov(AbstractDamping):
       else on the device. On the host, all of them are inverted in one
       `jax.pure_callback` by SciPy's LAPACK (Cholesky, and the clamped
       eigendecomposition where it fails), which XLA compiles as one call. A K-FAC
-      step then compiles 19–29% faster than with the same inverses in XLA (a
-      batched Cholesky per size class with its fallback), and runs as fast
-      (`benchmarks/RESULTS.md`, "Issue 26, eighth session"). `False`: in XLA
+      step then compiles about a quarter faster than with the same inverses in
+      XLA (a batched Cholesky per size class with its fallback), and a refresh
+      takes from 0.5 ms less to 0.3 ms more on two cores (the callback's own cost;
+      more for factors of 384 and wider with one BLAS thread, which the host
+      inverts one after another) (`benchmarks/RESULTS.md`, "Issue 26, eighth
+      session"). `False`: in XLA
       on every backend, for a step that JAX's persistent compilation cache can
       store or `jax.export` can serialise (neither takes a program that calls back
       into Python). `True`: on the host on every backend.
