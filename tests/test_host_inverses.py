@@ -20,6 +20,8 @@ import pytest
 import eqfisher as ef
 from eqfisher.blocks import kronecker
 
+from . import optim_problem
+
 
 F64 = jnp.float64
 PATHS = pytest.mark.parametrize("on_host", [True, False], ids=["host", "xla"])
@@ -143,40 +145,12 @@ def test_vmap_equals_one_by_one(on_host):
             np.testing.assert_allclose(got[i, j], want, rtol=1e-9, atol=1e-12)
 
 
-class _MLP(eqx.Module):
-    layers: tuple
-
-    def __init__(self, key):
-        keys = jr.split(key, 3)
-        sizes = (6, 12, 30, 3)  # a 7-, 13- and 31-wide input factor
-        self.layers = tuple(
-            eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes[:-1], sizes[1:], keys)
-        )
-
-    def __call__(self, x):
-        for layer in self.layers[:-1]:
-            x = jnp.tanh(layer(x))
-        return self.layers[-1](x)
-
-
-def _problem():
-    model = _MLP(jr.key(8))
-    x = jr.normal(jr.key(9), (32, 6))
-    y = jr.randint(jr.key(10), (32,), 0, 3)
-
-    def loss_fn(model, batch):
-        xs, ys = batch
-        return ef.softmax_cross_entropy(jax.vmap(model)(xs), ys)
-
-    return model, (x, y), loss_fn
-
-
 @PATHS
 def test_the_refresh_is_one_callback_on_the_cpu(on_host):
     """What the refresh's compiled program calls: the one host callback, or LAPACK's
-    kernels (three size classes here)."""
-    model, batch, loss_fn = _problem()
-    curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+    kernels (two size classes here)."""
+    model, batch = optim_problem.problem()
+    curv = optim_problem.VGC(model, batch)[2]
     invert = jax.jit(
         lambda c: ef.optim.FactoredTikhonov(on_host=on_host).invert(c, 0.1)
     )
@@ -188,17 +162,19 @@ def test_the_refresh_is_one_callback_on_the_cpu(on_host):
 
 
 def test_kfac_takes_the_same_steps_on_the_host_and_in_xla():
-    model, batch, loss_fn = _problem()
-    estimator, structure = ef.GGN(), ef.KFAC()
-    vgc = ef.value_grad_and_curvature(loss_fn, estimator=estimator, structure=structure)
-    like = ef.optim.curvature_like(vgc, model, batch)
+    model, batch = optim_problem.problem()
+    like = optim_problem.like()
     params = eqx.filter(model, eqx.is_inexact_array)
     runs = []
     for on_host in (True, False):
         variant = ef.optim.FactoredTikhonov(on_host=on_host)
         opt = ef.optim.kfac(1e-2, like=like, damping_variant=variant)
         step = ef.optim.kfac_step(
-            loss_fn, opt, estimator=estimator, structure=structure, fast_compile=False
+            optim_problem.loss_fn,
+            opt,
+            estimator=ef.GGN(),
+            structure=ef.KFAC(),
+            fast_compile=False,
         )
         m, state = model, opt.init(params)
         for _ in range(4):

@@ -1,4 +1,3 @@
-import functools
 from collections.abc import Sequence
 from typing import cast
 
@@ -143,12 +142,19 @@ def _small_shifted_inverse(factor: Array, shift: Array) -> Array:
 
 @_small_shifted_inverse.defjvp
 def _small_shifted_inverse_jvp(primals, tangents):
-    # d(M⁻¹) = −M⁻¹ dM M⁻¹, with M = factor + shift·I: no derivative of `eigh`,
-    # which is undefined where eigenvalues repeat.
+    # No derivative of `eigh`, which is undefined where eigenvalues repeat.
     inverse = _small_shifted_inverse(*primals)
-    d_factor, d_shift = tangents
-    d_m = d_factor + d_shift * jnp.eye(inverse.shape[-1], dtype=inverse.dtype)
-    return inverse, -inverse @ d_m @ inverse
+    return inverse, _inverse_tangent(inverse, *tangents)
+
+
+def _inverse_tangent(inverse: Array, d_factor: Array, d_shift: Array) -> Array:
+    """d(M⁻¹) = −M⁻¹ dM M⁻¹, with M = factor + shift·I, for a matrix or a stack of
+    them (`d_shift` then one per matrix); a fallback's clamping taken as fixed."""
+    eye = jnp.broadcast_to(
+        jnp.eye(inverse.shape[-1], dtype=inverse.dtype), inverse.shape
+    )
+    d_m = d_factor + jnp.asarray(d_shift)[..., None, None] * eye
+    return -inverse @ d_m @ inverse
 
 
 def _shifted_inverse(factor: Factor, shift: Array, eig: Eigh | None) -> Factor:
@@ -178,13 +184,16 @@ def shifted_inverses(
     diagonals, its shifts `(k,)`. The matrices are inverted together: on the host,
     in one callback (`_host_linalg.shifted_inverses`), where `on_host` is True, or
     None and jax's default backend is the CPU; else in XLA, by size class
-    (`_class_inverses`). Differentiable either way."""
+    (`_class_inverses`). Differentiable either way (on the host by
+    `_inverse_tangent`)."""
     matrices = [i for i, f in enumerate(factors) if f.ndim == 3]
-    inverses = _matrix_inverses(
-        [factors[i] for i in matrices],
-        [shifts[i] for i in matrices],
-        host_linalg.use_host(on_host),
-    )
+    args = [factors[i] for i in matrices], [shifts[i] for i in matrices]
+    if not matrices:
+        inverses = []
+    elif host_linalg.use_host(on_host):
+        inverses = _host_inverses(*args)
+    else:
+        inverses = _class_inverses(*args)
     out = dict(zip(matrices, inverses))
     return [
         out[i] if i in out else 1 / (jnp.maximum(f, 0) + s[:, None])
@@ -192,29 +201,16 @@ def shifted_inverses(
     ]
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _matrix_inverses(
-    factors: list[Array], shifts: list[Array], on_host: bool
-) -> list[Array]:
-    if not factors:
-        return []
-    if on_host:
-        return host_linalg.shifted_inverses(factors, shifts)
-    return _class_inverses(factors, shifts)
+@jax.custom_jvp
+def _host_inverses(factors: list[Array], shifts: list[Array]) -> list[Array]:
+    # A host callback has no derivative of its own.
+    return host_linalg.shifted_inverses(factors, shifts)
 
 
-@_matrix_inverses.defjvp
-def _matrix_inverses_jvp(on_host, primals, tangents):
-    # d(M⁻¹) = −M⁻¹ dM M⁻¹, with M = factor + shift·I (the fallback's clamping
-    # taken as fixed).
-    inverses = _matrix_inverses(*primals, on_host)
-    d_factors, d_shifts = tangents
-    eye = [jnp.eye(inv.shape[-1], dtype=inv.dtype)[None] for inv in inverses]
-    d_inverses = [
-        -inv @ (df + ds[:, None, None] * i) @ inv
-        for inv, df, ds, i in zip(inverses, d_factors, d_shifts, eye)
-    ]
-    return inverses, d_inverses
+@_host_inverses.defjvp
+def _host_inverses_jvp(primals, tangents):
+    inverses = _host_inverses(*primals)
+    return inverses, [_inverse_tangent(*t) for t in zip(inverses, *tangents)]
 
 
 def _class_inverses(factors: list[Array], shifts: list[Array]) -> list[Array]:
