@@ -30,9 +30,10 @@ def use_host(on_host: bool | None) -> bool:
     return jax.default_backend() == "cpu" if on_host is None else on_host
 
 
-def shifted_inverses(factors: Sequence[Array], shifts: Sequence[Array]) -> list[Array]:
-    """`(factor + shift·I)⁻¹` of stacks of PSD matrices, `(k, d, d)` each with its
-    shifts `(k,)`, computed on the host in one callback: by Cholesky, or where
+def shifted_inverses(factors: Sequence[Array], shifts: Array) -> list[Array]:
+    """`(factor + shift·I)⁻¹` of stacks of PSD matrices, `(k, d, d)` each, `shifts`
+    the stacks' shifts one after another (`(Σk,)`), computed on the host in one
+    callback: by Cholesky, or where
     that fails (float32 rounding) from the clamped eigendecomposition,
     `(clamp(F) + shift·I)⁻¹`. A matrix that is not finite, or whose
     eigendecomposition does not converge, gives NaN (the optimiser then keeps its
@@ -40,14 +41,15 @@ def shifted_inverses(factors: Sequence[Array], shifts: Sequence[Array]) -> list[
     it)."""
     shapes = [jax.ShapeDtypeStruct(f.shape, f.dtype) for f in factors]
     return jax.pure_callback(
-        _numpy_inverses, shapes, list(factors), list(shifts), vmap_method="sequential"
+        _numpy_inverses, shapes, list(factors), shifts, vmap_method="sequential"
     )
 
 
 def _numpy_inverses(factors, shifts) -> list[np.ndarray]:
-    out = []
-    for stack, shift in zip(factors, shifts):
-        stack, shift = np.asarray(stack), np.asarray(shift)
+    out, shifts = [], np.asarray(shifts)
+    ends = np.cumsum([np.shape(stack)[0] for stack in factors])
+    for stack, shift in zip(factors, np.split(shifts, ends[:-1])):
+        stack = np.asarray(stack)
         # Half precisions are inverted in float32 (LAPACK has none below it).
         work = np.dtype(np.float64 if stack.dtype == np.float64 else np.float32)
         eye = np.eye(stack.shape[-1], dtype=work)

@@ -6,6 +6,7 @@ import jax
 import jax.custom_batching
 import jax.numpy as jnp
 import jax.scipy.linalg
+import numpy as np
 from jaxtyping import Array, ArrayLike, Float, ScalarLike
 
 from .. import _host_linalg as host_linalg, _linalg as linalg
@@ -44,6 +45,57 @@ def _diagonal(factor: Factor) -> Float[Array, " d"]:
     # Every (d + 1)-th entry of the flattened matrix: `jnp.diagonal` traces a
     # `lax.cond` and a gather, a tenth of a K-FAC step's trace (issue 26).
     return factor.reshape(-1)[:: factor.shape[0] + 1] if factor.ndim == 2 else factor
+
+
+def stacked_pi_damping_shifts(
+    factors: Sequence[tuple[Array, Array]], damping: ScalarLike
+) -> list[tuple[Array, Array]]:
+    r"""`KroneckerFactored.pi_damping_shifts` of stacks of K-FAC blocks at once.
+
+    `factors` holds each stack's `(a, g)`, with a leading stack axis, `(k, d, d)`
+    each (`(k, d)` for a diagonal factor); the result each stack's shifts of A and
+    G, `(k,)` each, in A's dtype. The factors' traces are one reduction of their
+    zero-padded diagonals and $\pi$ one element-wise computation for all of them:
+    a few kernels for every block of a model, not a few per block (issue 26). A
+    zero factor gives $\pi = 1$. Computed in float32, float64 where a factor is."""
+    if not factors:
+        return []
+    wide = any(f.dtype == jnp.float64 for pair in factors for f in pair)
+    dtype = jnp.float64 if wide else jnp.float32
+    root = jnp.sqrt(check_damping(damping, dtype))
+    means = []
+    for side in (0, 1):
+        stacks = [pair[side] for pair in factors]
+        width = max(f.shape[-1] for f in stacks)
+        diagonals = jnp.concatenate(
+            [
+                jnp.pad(
+                    _stacked_diagonal(f).astype(dtype),
+                    ((0, 0), (0, width - f.shape[-1])),
+                )
+                for f in stacks
+            ]
+        )
+        dims = np.concatenate([np.full(f.shape[0], f.shape[-1], dtype) for f in stacks])
+        means.append(jnp.sum(diagonals, axis=1) / dims)
+    pi = jnp.sqrt(means[0] / means[1])
+    pi = jnp.where(jnp.isfinite(pi) & (pi > 0), pi, 1.0)
+    shift_a, shift_g = pi * root, root / pi
+    out, start = [], 0
+    for a, _ in factors:
+        end = start + a.shape[0]
+        out.append(
+            (shift_a[start:end].astype(a.dtype), shift_g[start:end].astype(a.dtype))
+        )
+        start = end
+    return out
+
+
+def _stacked_diagonal(factor: Array) -> Array:
+    """The diagonals `(k, d)` of a stack of factors (`_diagonal` of each)."""
+    if factor.ndim == 2:
+        return factor
+    return factor.reshape(factor.shape[0], -1)[:, :: factor.shape[-1] + 1]
 
 
 def _left(factor: Factor, matrix: Array) -> Array:
@@ -191,7 +243,12 @@ def shifted_inverses(
     if not matrices:
         inverses = []
     elif host_linalg.use_host(on_host):
-        inverses = _host_inverses(*args)
+        # One vector of shifts: a single operand, not a buffer per stack.
+        wide = any(s.dtype == jnp.float64 for s in args[1])
+        dtype = jnp.float64 if wide else jnp.float32
+        inverses = _host_inverses(
+            args[0], jnp.concatenate([jnp.asarray(s, dtype) for s in args[1]])
+        )
     else:
         inverses = _class_inverses(*args)
     out = dict(zip(matrices, inverses))
@@ -202,7 +259,7 @@ def shifted_inverses(
 
 
 @jax.custom_jvp
-def _host_inverses(factors: list[Array], shifts: list[Array]) -> list[Array]:
+def _host_inverses(factors: list[Array], shifts: Array) -> list[Array]:
     # A host callback has no derivative of its own.
     return host_linalg.shifted_inverses(factors, shifts)
 
@@ -210,7 +267,13 @@ def _host_inverses(factors: list[Array], shifts: list[Array]) -> list[Array]:
 @_host_inverses.defjvp
 def _host_inverses_jvp(primals, tangents):
     inverses = _host_inverses(*primals)
-    return inverses, [_inverse_tangent(*t) for t in zip(inverses, *tangents)]
+    d_factors, d_shifts = tangents
+    ends = np.cumsum([f.shape[0] for f in primals[0]])
+    d_shifts = jnp.split(d_shifts, ends[:-1])
+    return inverses, [
+        _inverse_tangent(inverse, d_factor, d_shift.astype(inverse.dtype))
+        for inverse, d_factor, d_shift in zip(inverses, d_factors, d_shifts)
+    ]
 
 
 def _class_inverses(factors: list[Array], shifts: list[Array]) -> list[Array]:
@@ -437,13 +500,10 @@ class KroneckerFactored(AbstractBlock):
     def pi_damping_shifts(self, damping: ScalarLike) -> tuple[Array, Array]:
         r"""The shifts $\pi\sqrt\lambda$ of A and $\sqrt\lambda / \pi$ of G in
         `pi_damped_inverse`, as scalar arrays."""
-        damping = check_damping(damping, self.a.dtype)
-        d_a, d_g = self.a.shape[0], self.g.shape[0]
-        trace_a, trace_g = jnp.sum(_diagonal(self.a)), jnp.sum(_diagonal(self.g))
-        pi = jnp.sqrt((trace_a / d_a) / (trace_g / d_g))
-        pi = jnp.where(jnp.isfinite(pi) & (pi > 0), pi, 1.0).astype(self.a.dtype)
-        root = jnp.sqrt(damping)
-        return pi * root, root / pi
+        ((shift_a, shift_g),) = stacked_pi_damping_shifts(
+            [(self.a[None], self.g[None])], damping
+        )
+        return shift_a[0], shift_g[0]
 
     def solve_factored(self, vector: Operand, damping: ScalarLike) -> Operand:
         r"""The π-damped approximate solve: `pi_damped_inverse(damping).mv(vector)`.

@@ -26,6 +26,7 @@ from ._damping import (
     Tikhonov as Tikhonov,
     tikhonov_inverse as tikhonov_inverse,
 )
+from ._flat import flatten_if_small as flatten_if_small
 from ._graft import GraftState as GraftState, graft as graft
 from ._kfac import kfac as kfac, kfac_preconditioner as kfac_preconditioner
 from ._quadratic_model import (
@@ -63,6 +64,7 @@ __all__ = [
     "curvature_ok",
     "fast_compile_options",
     "find_kfac_state",
+    "flatten_if_small",
     "graft",
     "kfac",
     "kfac_adaptive",

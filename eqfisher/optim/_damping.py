@@ -23,7 +23,7 @@ from ..blocks import (
     Full,
     KroneckerFactored,
 )
-from ..blocks.kronecker import shifted_inverses
+from ..blocks.kronecker import shifted_inverses, stacked_pi_damping_shifts
 
 
 class AbstractDamping(eqx.Module):
@@ -332,9 +332,10 @@ class FactoredTikhonov(AbstractDamping):
         """The π-damped inverses of stacks of K-FAC blocks (a leading axis each),
         their factors inverted together, the wide ones by their diagonal blocks."""
         factors, shifts = [], []
-        for b in stacks:
-            factors += [b.a, b.g]
-            shifts += jax.vmap(lambda b: b.pi_damping_shifts(damping))(b)
+        pairs = [(b.a, b.g) for b in stacks]
+        for pair, pair_shifts in zip(pairs, stacked_pi_damping_shifts(pairs, damping)):
+            factors += pair
+            shifts += pair_shifts
         inverses = iter(
             partitioned_inverses(factors, shifts, self.max_inverse_dim, self.on_host)
         )

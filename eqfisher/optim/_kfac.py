@@ -10,6 +10,7 @@ from jaxtyping import Array, PyTree
 from .._curvature import Curvature
 from ..blocks._base import scalars_checked
 from ._damping import AbstractDamping, FactoredTikhonov
+from ._flat import flatten_if_small
 from ._graft import graft as grafted
 from ._state import (
     KFACState,
@@ -350,7 +351,9 @@ def kfac(
     inverse_every: int = 10,
     weight_decay: float = 0.0,
     damping_variant: AbstractDamping = FactoredTikhonov(),  # noqa: B008 (an immutable Module)
-    graft: optax.GradientTransformation | None = optax.scale_by_adam(),  # noqa: B008 (stateless)
+    graft: optax.GradientTransformation | None = flatten_if_small(  # noqa: B008 (stateless)
+        optax.scale_by_adam()  # noqa: B008
+    ),
     norm_constraint: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """K-FAC, ready to use: preconditioner, grafting, weight decay, momentum,
@@ -365,8 +368,10 @@ def kfac(
       `kfac_preconditioner`. The defaults: `damping=1e-4`, `momentum=0`,
       `decay=0.95`, `inverse_every=10`, `FactoredTikhonov()` (π-damping; factors
       wider than 1024 inverted by their diagonal blocks), `graft=
-      optax.scale_by_adam()` (chosen by `benchmarks/kfac_grid.py`, in
-      benchmarks/RESULTS.md).
+      flatten_if_small(optax.scale_by_adam())` (chosen by
+      `benchmarks/kfac_grid.py`, in benchmarks/RESULTS.md; Adam's moments kept
+      as one vector for a model of at most $2^{17}$ parameters of one dtype, the
+      same steps in fewer kernels, see `flatten_if_small`).
     - `graft`: a transformation, or `None`. With one, each parameter leaf's
       K-FAC direction is rescaled to the length of that transformation's update
       for the leaf (see `graft`): the curvature chooses the direction, Adam by
