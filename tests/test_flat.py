@@ -114,3 +114,14 @@ def test_max_size_is_checked(max_size, unchecked):
     del unchecked
     with pytest.raises(ValueError, match="max_size"):
         optim.flatten_if_small(optax.scale_by_adam(), max_size=max_size)
+
+
+def test_leaves_without_a_dtype_are_left_to_inner():
+    # Python numbers beside arrays: not concatenated (optax.flatten would promote).
+    params = {"a": jnp.ones(3), "b": 1.0}
+    opt = optim.flatten_if_small(optax.scale_by_adam())
+    with jax.numpy_dtype_promotion("standard"):
+        state = opt.init(params)
+    assert jax.tree.structure(state) == jax.tree.structure(
+        optax.scale_by_adam().init(params)
+    )

@@ -11,9 +11,11 @@ def _flattens(tree: PyTree, max_size: int) -> bool:
     `max_size` elements in all (decided from shapes and dtypes alone, so that
     `init` and every `update` decide alike)."""
     leaves = jax.tree_util.tree_leaves(tree)
+    dtypes = {getattr(x, "dtype", None) for x in leaves}
     return (
         len(leaves) > 1
-        and len({np.dtype(x.dtype) for x in leaves}) == 1
+        and len(dtypes) == 1
+        and None not in dtypes  # a Python number, say: left to `inner`
         and sum(int(np.size(x)) for x in leaves) <= max_size
     )
 
@@ -32,7 +34,9 @@ def flatten_if_small(
     parameter leaf and state leaf; over one vector they become a few kernels, at
     the cost of concatenating every leaf each step. The updates are the same (to
     rounding). Parameters of several dtypes are never flattened (that would
-    promote them), nor more than `max_size` of them. `kfac`'s default
+    promote them), nor more than `max_size` of them. Parameters sharded over
+    several devices are concatenated like any others, which gathers them; give
+    `inner` itself for those. `kfac`'s default
     `graft=flatten_if_small(optax.scale_by_adam())` uses it for Adam's moments.
 
     **Arguments:**
