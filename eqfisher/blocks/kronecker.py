@@ -70,7 +70,7 @@ def stacked_pi_damping_shifts(
         diagonals = jnp.concatenate(
             [
                 jnp.pad(
-                    _stacked_diagonal(f).astype(dtype),
+                    jax.vmap(_diagonal)(f).astype(dtype),
                     ((0, 0), (0, width - f.shape[-1])),
                 )
                 for f in stacks
@@ -80,22 +80,12 @@ def stacked_pi_damping_shifts(
         means.append(jnp.sum(diagonals, axis=1) / dims)
     pi = jnp.sqrt(means[0] / means[1])
     pi = jnp.where(jnp.isfinite(pi) & (pi > 0), pi, 1.0)
-    shift_a, shift_g = pi * root, root / pi
-    out, start = [], 0
-    for a, _ in factors:
-        end = start + a.shape[0]
-        out.append(
-            (shift_a[start:end].astype(a.dtype), shift_g[start:end].astype(a.dtype))
-        )
-        start = end
-    return out
-
-
-def _stacked_diagonal(factor: Array) -> Array:
-    """The diagonals `(k, d)` of a stack of factors (`_diagonal` of each)."""
-    if factor.ndim == 2:
-        return factor
-    return factor.reshape(factor.shape[0], -1)[:, :: factor.shape[-1] + 1]
+    ends = np.cumsum([a.shape[0] for a, _ in factors])[:-1]
+    pieces = zip(jnp.split(pi * root, ends), jnp.split(root / pi, ends))
+    return [
+        (shift_a.astype(a.dtype), shift_g.astype(a.dtype))
+        for (a, _), (shift_a, shift_g) in zip(factors, pieces)
+    ]
 
 
 def _left(factor: Factor, matrix: Array) -> Array:
