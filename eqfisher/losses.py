@@ -146,7 +146,12 @@ class Categorical(AbstractLossFamily):
     def per_example(self, inputs, targets):
         log_p = jax.nn.log_softmax(inputs, axis=-1)
         if jnp.issubdtype(targets.dtype, jnp.integer):
-            return -jnp.take_along_axis(log_p, targets[..., None], axis=-1)[..., 0]
+            # The label's entry picked by a select, not a gather: the gather's
+            # derivative is a scatter, a loop over the examples on the CPU.
+            classes = jax.lax.broadcasted_iota(
+                targets.dtype, log_p.shape, log_p.ndim - 1
+            )
+            return -jnp.sum(jnp.where(classes == targets[..., None], log_p, 0), axis=-1)
         return -jnp.sum(targets * log_p, axis=-1)
 
     def sample(self, key, inputs):

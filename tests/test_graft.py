@@ -224,3 +224,39 @@ def test_graft_takes_leaves_of_different_float_widths():
         got = float(jnp.linalg.norm(updates[name].astype(jnp.float32)))
         want = float(jnp.linalg.norm(adam[name].astype(jnp.float32)))
         assert np.isclose(got, want, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
+def test_graft_lengths_are_exact_for_leaves_of_awkward_sizes(dtype):
+    # Every leaf's norm comes from one packed reduction over rows of a shared
+    # width (64 here: over 2048 rows of 32): sizes below, at and above a row,
+    # an empty leaf, a scalar and a leaf wider than all others must each still
+    # step exactly Adam's length for that leaf.
+    sizes = [(), (0,), (1,), (31,), (32,), (33,), (7, 5), (70_001,), (3, 4, 5)]
+    params = {
+        f"p{i}": jax.random.normal(jax.random.key(i), s, dtype)
+        for i, s in enumerate(sizes)
+    }
+    grads = jax.tree.map(lambda p: (p + 1).astype(p.dtype), params)
+    # A direction other than the gradient, so that the scale is not 1.
+    direction = optax.GradientTransformation(
+        lambda p: optax.EmptyState(),
+        lambda u, s, p=None: (jax.tree.map(lambda x: x**3, u), s),
+    )
+    opt = optim.graft(direction, optax.scale_by_adam())
+    updates, _ = jax.jit(opt.update)(grads, opt.init(params), params)
+    with jax.numpy_dtype_promotion("standard"):  # optax's bias correction
+        adam, _ = optax.scale_by_adam().update(
+            grads, optax.scale_by_adam().init(params)
+        )
+    rtol = 1e-12 if dtype == jnp.float64 else 1e-5
+    for name in params:
+        u = np.asarray(updates[name], np.float64)
+        d = np.asarray(grads[name], np.float64) ** 3
+        m = np.asarray(adam[name], np.float64)
+        if d.size == 0:
+            assert u.shape == (0,)
+            continue
+        np.testing.assert_allclose(
+            u, d * np.linalg.norm(m) / np.linalg.norm(d), rtol=rtol, atol=0
+        )

@@ -227,6 +227,26 @@ def test_categorical_sample_masked_classes_and_float32():
     assert abs(float(jnp.mean(late)) - 0.5) < 5 * np.sqrt(0.25 / 2000)
 
 
+def test_integer_labels_pick_by_select_with_masked_classes():
+    # A class masked out with logit -inf: the labelled class's loss and its
+    # gradient stay finite and exact (0 * -inf never enters), and the gradient
+    # has no scatter (a loop over the examples on the CPU).
+    z = jnp.array([[0.5, -jnp.inf, 2.0], [1.0, 0.0, -jnp.inf]], F64)
+    labels = jnp.array([2, 0])
+
+    def ours(z):
+        return ef.softmax_cross_entropy(z, labels)
+
+    p = jax.nn.softmax(z)
+    np.testing.assert_allclose(
+        ours(z), -jnp.mean(jnp.log(p[jnp.arange(2), labels])), rtol=1e-14
+    )
+    grad = jax.grad(ours)(z)
+    expected = (p - jax.nn.one_hot(labels, 3, dtype=F64)) / 2
+    np.testing.assert_allclose(grad, expected, rtol=1e-14, atol=1e-16)
+    assert "scatter" not in str(jax.make_jaxpr(jax.grad(ours))(z))
+
+
 def test_registered_loss_weights():
     z, y = _logits(), _int_labels()
     mask = jnp.array([1.0, 0.0, 2.0, 1.0, 0.0, 1.0], F64)

@@ -5,9 +5,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, PyTree
+from jaxtyping import PyTree
 
-from ._state import all_finite, float_type, where_tree
+from ._state import all_finite, float_type, sum_squares, where_tree
 
 
 class GraftState(NamedTuple):
@@ -34,10 +34,6 @@ class GraftState(NamedTuple):
 
     direction: PyTree
     magnitude: PyTree
-
-
-def _norm(x: Array) -> Array:
-    return jnp.sqrt(jnp.sum(jnp.square(x)))
 
 
 def graft(
@@ -97,11 +93,12 @@ def graft(
         m_leaves = treedef.flatten_up_to(m)
         if not d_leaves:
             return d, GraftState(d_state, m_state)
-        # Every leaf's two norms and scale as vectors: one kernel for the scalar
-        # arithmetic of all leaves, not a few per leaf.
+        # Every leaf's two norms and scale as vectors: a few kernels for all the
+        # leaves' sums and scalar arithmetic, not a few per leaf. (`direction`
+        # may have reduced the same sums of squares: XLA computes them once.)
         dtype = float_type([*d_leaves, *m_leaves])
-        d_norms = jnp.stack([_norm(x.astype(dtype)) for x in d_leaves])
-        m_norms = jnp.stack([_norm(x.astype(dtype)) for x in m_leaves])
+        d_norms = jnp.sqrt(sum_squares(d_leaves).astype(dtype))
+        m_norms = jnp.sqrt(sum_squares(m_leaves).astype(dtype))
         # A direction holding NaN or inf anywhere gives no step at all.
         step = jnp.all(jnp.isfinite(d_norms))
         ok = step & (d_norms > 0) & jnp.isfinite(m_norms)

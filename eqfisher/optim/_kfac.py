@@ -23,6 +23,7 @@ from ._state import (
     is_constant,
     like_mismatch,
     require_estimate,
+    sum_squares,
     value_at,
     where_tree,
 )
@@ -335,6 +336,11 @@ def _preconditioner(
         ok = None
         if norm_constraint is not None:
             direction, ok = _constrain(direction, updates, norm_constraint, lr)
+        elif not zero_nonfinite:
+            # For `graft`, which reduces the same sums of squares for its norms
+            # (XLA computes them once) and gives no step where one is not finite.
+            squares = sum_squares(jax.tree_util.tree_leaves(direction))
+            ok = jnp.all(jnp.isfinite(squares))
         return guard(direction, state, ok, zero=zero_nonfinite)
 
     # optax types a state as an array tree; this one holds Curvatures (pytrees too).

@@ -215,6 +215,36 @@ def all_finite(tree: PyTree) -> Array:
     return jnp.all(jnp.isfinite(jnp.concatenate([x.astype(dtype) for x in leaves])))
 
 
+# The row sums of `sum_squares` stay at most about this many (plus one per leaf):
+# its masked reduction over them is leaves x rows elements.
+_SUM_SQUARES_ROWS = 2048
+
+
+def sum_squares(leaves: Sequence[Array]) -> Array:
+    """Each leaf's sum of squares, as one vector (in `float_type(leaves)`), in three
+    kernels for all the leaves together: each leaf zero-padded to whole rows of
+    one width, the rows stacked and summed, then each leaf's rows added by a
+    masked reduction. A sum per leaf is one to two kernels each on the CPU
+    (XLA splits a long sum in two): 5-7 ms of compile time apiece."""
+    if not leaves:
+        return jnp.zeros((0,), jnp.float32)
+    dtype = float_type(leaves)
+    total = sum(math.prod(jnp.shape(x)) for x in leaves)
+    # A power of two of at least 32 (XLA's CPU sums up to 32 elements in one pass).
+    width = max(32, 1 << max(0, math.ceil(total / _SUM_SQUARES_ROWS) - 1).bit_length())
+    pieces, starts = [], [0]
+    for x in leaves:
+        flat = jnp.ravel(x).astype(dtype)
+        rows = -(-flat.size // width)
+        pieces.append(jnp.pad(flat, (0, rows * width - flat.size)))
+        starts.append(starts[-1] + rows)
+    rows = jnp.sum(jnp.square(jnp.concatenate(pieces).reshape(-1, width)), axis=1)
+    row = jax.lax.broadcasted_iota(jnp.int32, (len(leaves), starts[-1]), 1)
+    lo = jnp.asarray(starts[:-1], jnp.int32)[:, None]
+    hi = jnp.asarray(starts[1:], jnp.int32)[:, None]
+    return jnp.sum(jnp.where((row >= lo) & (row < hi), rows, 0), axis=1)
+
+
 def where_tree(cond: Array, new: PyTree, old: PyTree) -> PyTree:
     return jax.tree_util.tree_map(lambda a, b: jnp.where(cond, a, b), new, old)
 
