@@ -331,23 +331,26 @@ class FactoredTikhonov(AbstractDamping):
     ) -> list[KroneckerFactored]:
         """The π-damped inverses of stacks of K-FAC blocks (a leading axis each),
         their factors inverted together, the wide ones by their diagonal blocks."""
-        factors, shifts = [], []
         pairs = [(b.a, b.g) for b in stacks]
-        for pair, pair_shifts in zip(pairs, stacked_pi_damping_shifts(pairs, damping)):
-            factors += pair
-            shifts += pair_shifts
-        inverses = iter(
-            partitioned_inverses(factors, shifts, self.max_inverse_dim, self.on_host)
+        shifts = stacked_pi_damping_shifts(pairs, damping)
+        # Every A, then every G: their shifts are then the two vectors π·√λ and
+        # √λ/π in order, which the host callback's one shift operand joins
+        # without a slice per factor (XLA merges adjacent slices).
+        inverses = partitioned_inverses(
+            [b.a for b in stacks] + [b.g for b in stacks],
+            [s for s, _ in shifts] + [s for _, s in shifts],
+            self.max_inverse_dim,
+            self.on_host,
         )
         out = []
-        for b in stacks:
+        for b, a, g in zip(stacks, inverses, inverses[len(stacks) :]):
 
             def block(a, g, b=b):
                 return KroneckerFactored(
                     a, g, weight_perm=b.weight_perm, structure=b.structure
                 )
 
-            out.append(jax.vmap(block)(next(inverses), next(inverses)))
+            out.append(jax.vmap(block)(a, g))
         return out
 
 

@@ -298,7 +298,8 @@ def _preconditioner(
 ) -> optax.GradientTransformationExtraArgs:
     """`kfac_preconditioner`, with `caller` (the public function called) named in
     its errors; `zero_nonfinite=False` leaves a non-finite direction as it is
-    (still counted in `skipped_count`), for `graft`, which gives it no step."""
+    (still counted in `skipped_count`, as is one whose sum of squares overflows),
+    for `graft`, which gives either no step."""
     check_preconditioner_args(caller, like, "damping", damping, decay, inverse_every)
     check_range(caller, "learning_rate", learning_rate, 0.0, None, True)
     if norm_constraint is not None:
