@@ -681,6 +681,38 @@ def test_a_curvature_function_is_called_where_it_is_due(jit):
     assert calls  # traced (or run) by the update, not before it
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_an_int_curvature_due_is_a_period_by_the_states_count(jit):
+    # `curvature_due=k` (what kfac_step passes): an estimate at every k-th update
+    # by the K-FAC state's own count, from the first; the same updates and states
+    # as the boolean `count % k == 0`, and no update before an estimate to check.
+    model, batch = _problem()
+    _, grads, curv = VGC(model, batch)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    opt = optim.kfac(0.1, like=_like())
+    update = eqx.filter_jit(opt.update) if jit else opt.update
+    by_int = by_bool = opt.init(params)
+    for n in range(5):
+        estimate = jax.tree.map(lambda x, n=n: (1 + n) * x, curv)
+        got = update(grads, by_int, params, curvature=estimate, curvature_due=3)
+        want = update(
+            grads,
+            by_bool,
+            params,
+            curvature=estimate,
+            curvature_due=jnp.asarray(n % 3 == 0),
+        )
+        assert _leaves_equal(got, want)
+        by_int, by_bool = got[1], want[1]
+    assert int(optim.find_kfac_state(by_int).curvature_count) == 2  # n = 0 and 3
+    # A Python bool is a boolean, not a period of 1 or 0.
+    same = update(grads, by_int, params, curvature=curv, curvature_due=False)
+    assert _leaves_equal(same, update(grads, by_int, params))
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match=r"curvature_due=.*k >= 1, got"):
+            opt.update(grads, by_int, params, curvature=curv, curvature_due=bad)
+
+
 def test_amortised_steps_reuse_the_cached_inverse():
     model, batch = _problem()
     opt = optim.kfac(0.1, like=_like(), inverse_every=1)

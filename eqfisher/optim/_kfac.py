@@ -105,14 +105,16 @@ def receive(
     updates: PyTree,
     state: KFACState,
     curvature: Curvature | Callable[[], Curvature] | None,
-    due: Array | None,
+    due: Array | int | None,
     fold_in: Callable[[KFACState, Curvature], KFACState],
 ) -> tuple[PyTree, KFACState]:
     """`(updates, state)` after an update's `curvature=` and `curvature_due=`:
     `fold_in(state, curvature)` folds an estimate in; without one (no
     `curvature`, or `due` False) the updates are checked to follow an estimate
     (`require_estimate`). A function `curvature` is called where the estimate is
-    folded in: inside the `lax.cond` on `due`, so computed only when due."""
+    folded in: inside the `lax.cond` on `due`, so computed only when due. An int
+    `due`, k, is due at every k-th update by the state's own count, from the
+    first: no update can come before an estimate, so none is checked."""
     if curvature is None:
         if due is not None:
             raise ValueError(
@@ -126,6 +128,15 @@ def receive(
 
     if due is None:
         return updates, folded()
+    if isinstance(due, bool):  # a Python bool: whether due, not a period
+        due = jnp.asarray(due)
+    if isinstance(due, int):
+        if due < 1:
+            raise ValueError(
+                f"`eqfisher.optim.{caller}(...).update(..., curvature_due=...)`: "
+                f"an int is a period, every k-th update: k >= 1, got {due}."
+            )
+        return updates, jax.lax.cond(state.count % due == 0, folded, lambda: state)
     updates = require_estimate(caller, updates, state, unless=due)
     # Between estimates the average is passed through, not recomputed and selected.
     return updates, jax.lax.cond(due, folded, lambda: state)
@@ -228,10 +239,13 @@ def kfac_preconditioner(
     between curvature estimates. `update(grads, state, params, curvature=curv,
     curvature_due=due)`, with `due` a boolean array, is the first where `due` is
     true and the second (`curv` a placeholder, e.g. zeros) where it is false:
-    chosen inside jit without tracing the update twice. `curv` may also be a
-    function of no arguments returning the curvature: it is called inside the
-    `lax.cond` on `due` (or at once without `curvature_due`), so the statistics
-    are computed only at the steps that use them, as `kfac_step` does. A
+    chosen inside jit without tracing the update twice. `due` may also be a
+    positive int k: due at every k-th update by the state's own count (`count %
+    k == 0`), the first included, so no check that an estimate came first is
+    compiled in. `curv` may also be a function of no arguments returning the
+    curvature: it is called inside the `lax.cond` on `due` (or at once without
+    `curvature_due`), so the statistics are computed only at the steps that use
+    them, as `kfac_step` does. A
     curvature holding NaN or inf is not averaged in
     (counted in `state.nonfinite_count`); a non-finite update is replaced by zero
     (counted in `state.skipped_count`).

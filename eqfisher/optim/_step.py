@@ -5,7 +5,7 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import optax
-from jaxtyping import Array, PyTree
+from jaxtyping import PyTree
 
 from .._curvature import (
     AbstractEstimator,
@@ -24,12 +24,12 @@ def _leading(batch: PyTree, size: int | None) -> PyTree:
     return jax.tree_util.tree_map(lambda x: x[:size], batch)
 
 
-def _due(period: int, opt_state: PyTree) -> Array | None:
-    """Whether statistics are due at this step (every `period`-th, by the K-FAC
-    state's count; a traced bool), or None when they always are."""
-    if period == 1:
-        return None
-    return find_kfac_state(opt_state).count % period == 0
+def _due(period: int, opt_state: PyTree) -> int | None:
+    """`curvature_due=` for statistics at every `period`-th step, by the K-FAC
+    state's count (None when they always are); raises when `opt_state` holds no
+    K-FAC state."""
+    find_kfac_state(opt_state)
+    return None if period == 1 else period
 
 
 def kfac_step(
