@@ -218,6 +218,10 @@ def all_finite(tree: PyTree) -> Array:
 # The row sums of `sum_squares` stay at most about this many (plus one per leaf):
 # its masked reduction over them is leaves x rows elements.
 _SUM_SQUARES_ROWS = 2048
+# Above this many elements in all, `sum_squares` sums each leaf by itself: packing
+# copies every element once more (and would gather sharded leaves), which costs
+# more than a kernel per leaf saves.
+_SUM_SQUARES_MAX_PACKED = 2**20
 
 
 def sum_squares(leaves: Sequence[Array]) -> Array:
@@ -225,11 +229,16 @@ def sum_squares(leaves: Sequence[Array]) -> Array:
     kernels for all the leaves together: each leaf zero-padded to whole rows of
     one width, the rows stacked and summed, then each leaf's rows added by a
     masked reduction. A sum per leaf is one to two kernels each on the CPU
-    (XLA splits a long sum in two): 5-7 ms of compile time apiece."""
+    (XLA splits a long sum in two): 5-7 ms of compile time apiece. Leaves of
+    more than 2**20 elements in all are summed one by one."""
     if not leaves:
         return jnp.zeros((0,), jnp.float32)
     dtype = float_type(leaves)
     total = sum(math.prod(jnp.shape(x)) for x in leaves)
+    if total > _SUM_SQUARES_MAX_PACKED:
+        return jnp.stack(
+            [jnp.sum(jnp.square(jnp.ravel(x).astype(dtype))) for x in leaves]
+        )
     # A power of two of at least 32 (XLA's CPU sums up to 32 elements in one pass).
     width = max(32, 1 << max(0, math.ceil(total / _SUM_SQUARES_ROWS) - 1).bit_length())
     pieces, starts = [], [0]
