@@ -124,6 +124,12 @@ class AbstractLossFamily(eqx.Module):
         return jnp.einsum("...ik,...jk,...j->...i", s, s, vector)
 
 
+def _at_least_int32(dtype) -> jnp.dtype:
+    """`dtype` if it is an integer of 32 bits or more, else int32: class ids
+    compared with a class count or an iota of classes (which would wrap in int8)."""
+    return jnp.dtype(dtype) if jnp.dtype(dtype).itemsize >= 4 else jnp.dtype(jnp.int32)
+
+
 class Categorical(AbstractLossFamily):
     """Softmax cross-entropy; targets are class ids or probability vectors.
 
@@ -148,10 +154,11 @@ class Categorical(AbstractLossFamily):
         if jnp.issubdtype(targets.dtype, jnp.integer):
             # The label's entry picked by a select, not a gather: the gather's
             # derivative is a scatter, a loop over the examples on the CPU.
-            classes = jax.lax.broadcasted_iota(
-                targets.dtype, log_p.shape, log_p.ndim - 1
-            )
-            return -jnp.sum(jnp.where(classes == targets[..., None], log_p, 0), axis=-1)
+            # At least int32: an iota in a narrow label dtype (int8) would wrap.
+            wide = _at_least_int32(targets.dtype)
+            classes = jax.lax.broadcasted_iota(wide, log_p.shape, log_p.ndim - 1)
+            label = targets[..., None].astype(wide)
+            return -jnp.sum(jnp.where(classes == label, log_p, 0), axis=-1)
         return -jnp.sum(targets * log_p, axis=-1)
 
     def sample(self, key, inputs):
@@ -232,7 +239,9 @@ class Categorical(AbstractLossFamily):
         classes = inputs.shape[-1]
         # Padding ids (e.g. -1) are allowed where the mask is 0; they are replaced by
         # class 0 there so that the (zero-weighted) loss stays finite.
-        bad = ((targets < 0) | (targets >= classes)) & (mask != 0)
+        # At least int32: `classes` would wrap in a narrow label dtype (300 in int8).
+        wide = targets.astype(_at_least_int32(targets.dtype))
+        bad = ((wide < 0) | (wide >= classes)) & (mask != 0)
         message = (
             f"`{caller}(logits, labels)`: integer `labels` must be class ids in "
             f"[0, {classes}) (logits.shape[-1] = {classes}); for padding, give those "

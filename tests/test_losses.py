@@ -245,6 +245,14 @@ def test_integer_labels_pick_by_select_with_masked_classes():
     expected = (p - jax.nn.one_hot(labels, 3, dtype=F64)) / 2
     np.testing.assert_allclose(grad, expected, rtol=1e-14, atol=1e-16)
     assert "scatter" not in str(jax.make_jaxpr(jax.grad(ours))(z))
+    # Narrow label dtypes over many classes: class 256 is not label 0 in int8.
+    wide = jr.normal(jr.key(7), (3, 300), F64)
+    small = jnp.array([0, 127, 7], jnp.int8)
+    np.testing.assert_allclose(
+        ef.softmax_cross_entropy(wide, small),
+        -jnp.mean(jax.nn.log_softmax(wide)[jnp.arange(3), small.astype(jnp.int32)]),
+        rtol=1e-14,
+    )
 
 
 def test_registered_loss_weights():
