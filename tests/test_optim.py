@@ -166,6 +166,36 @@ def test_nonfinite_curvature_is_rejected_and_counted():
     assert not bool(optim.curvature_ok((new_state,)))
 
 
+@pytest.mark.parametrize("value", [jnp.nan, -jnp.inf])
+@pytest.mark.parametrize("factor", ["a", "g"])
+def test_one_nonfinite_element_of_a_wide_or_a_small_factor_is_rejected(factor, value):
+    # A factor of more than 2**16 elements (A: 301 x 301) is checked by a reduction
+    # of its own, the small ones (G: 2 x 2) joined: one NaN in either is caught.
+    model = eqx.nn.Linear(300, 2, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (16, 300))
+    batch = (x, jnp.arange(16) % 2)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    _, grads, curv = VGC(model, batch)
+    opt = optim.kfac_preconditioner(
+        like=optim.curvature_like(VGC, model, batch), damping=0.1
+    )
+    _, state = opt.update(grads, opt.init(params), params, curvature=curv)
+    (name,) = curv.blocks
+    assert curv.blocks[name].a.size > 2**16 >= curv.blocks[name].g.size
+    bad = eqx.tree_at(
+        lambda c: getattr(c.blocks[name], factor),
+        curv,
+        replace_fn=lambda f: f.at[1, 1].set(value),
+    )
+    _, new_state = jax.jit(opt.update)(grads, state, params, curvature=bad)
+    assert int(new_state.nonfinite_count) == 1
+    for old, new in zip(
+        jax.tree_util.tree_leaves(state.curvature),
+        jax.tree_util.tree_leaves(new_state.curvature),
+    ):
+        np.testing.assert_array_equal(old, new)
+
+
 def test_nonfinite_first_curvature_gives_no_step():
     model, batch = _problem()
     opt = optim.kfac_preconditioner(like=_like(), damping=0.1)

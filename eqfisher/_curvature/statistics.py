@@ -474,8 +474,10 @@ def _chunked_patches(
     x = jnp.moveaxis(x, axis, 0)
     n = x.shape[0]
     limit = current_config().max_patch_elements
-    chunk = max(1, min(n, limit // _patch_elements(record)))
-    chunks = -(-n // chunk)
+    # The fewest chunks within the limit, as equal as can be: padding is then less
+    # than one example per chunk.
+    chunks = -(-n // max(1, min(n, limit // _patch_elements(record))))
+    chunk = -(-n // chunks)
     x = jnp.pad(x, [(0, chunks * chunk - n)] + [(0, 0)] * (x.ndim - 1))
     xs = x.reshape((chunks, chunk) + x.shape[1:])
     d = record.d_in

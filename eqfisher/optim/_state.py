@@ -1,5 +1,6 @@
 """The K-FAC optimiser state, its defaults and shared checks."""
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -204,15 +205,27 @@ def float_type(leaves: Sequence[Array]) -> type:
     return jnp.float64 if widest >= 8 else jnp.float32
 
 
+# `all_finite` reduces a leaf of more elements than this by itself: the
+# concatenation would copy it (a 1,025-square factor: 4 MB, about 1 ms a check).
+_ALL_FINITE_MAX_JOINED = 2**16
+
+
 def all_finite(tree: PyTree) -> Array:
     """Whether every element of every leaf is finite: one reduction over the leaves
     concatenated, which XLA fuses into one kernel (a reduction per leaf is a
-    kernel each, about 7 ms of compile time apiece)."""
+    kernel each, about 7 ms of compile time apiece); a leaf of more than 2**16
+    elements is summed by itself, times 0, not copied."""
     leaves = [jnp.ravel(x) for x in jax.tree_util.tree_leaves(tree)]
-    if not leaves:
-        return jnp.asarray(True)
-    dtype = float_type(leaves)
-    return jnp.all(jnp.isfinite(jnp.concatenate([x.astype(dtype) for x in leaves])))
+    large = [x for x in leaves if x.size > _ALL_FINITE_MAX_JOINED]
+    small = [x for x in leaves if x.size <= _ALL_FINITE_MAX_JOINED]
+    # x·0 is 0 where x is finite and NaN elsewhere, and a sum vectorises where a
+    # reduction of booleans does not (135 against 326 us for 1,025² elements).
+    checks = [jnp.isfinite(jnp.sum(x * 0)) for x in large]
+    if small:
+        dtype = float_type(small)
+        joined = jnp.concatenate([x.astype(dtype) for x in small])
+        checks.append(jnp.all(jnp.isfinite(joined)))
+    return functools.reduce(jnp.logical_and, checks) if checks else jnp.asarray(True)
 
 
 # The row sums of `sum_squares` stay at most about this many (plus one per leaf):

@@ -16,6 +16,7 @@ from ... import _compat
 from ..._config import current_config
 from ...losses import loss_tag_p, loss_value_tag_p
 from ..declare import layer_tag_p
+from .conv_layout import conv_evaluator
 from .types import (
     STRUCTURAL,
     SYMBOLIC,
@@ -129,7 +130,8 @@ def _flatten_eqn(eqn, atoms, made, out_origins) -> _Piece:
         None if _compat.is_drop_var(v) else PVar(v.aval, out_origins.get(id(v), origin))
         for v in eqn.outvars
     )
-    node = Node(eqn, tuple(args), outs, _compat.eqn_evaluator(eqn))
+    evaluator = conv_evaluator(eqn) or _compat.eqn_evaluator(eqn)
+    node = Node(eqn, tuple(args), outs, evaluator)
     return _Piece(list(outs), (node,))
 
 
@@ -199,6 +201,15 @@ def _slice_all(atoms: Sequence[Atom], step: int, made) -> _Piece:
     return _Piece(outs, tuple(nodes), tuple(units))
 
 
+def _as_written(node: Node) -> Node:
+    """`node` evaluated as its equation is written: a loop body keeps its
+    convolutions' layouts (`conv_layout` helps only a `cond`'s, and would slow the
+    weight cotangent's in a loop)."""
+    if conv_evaluator(node.eqn) is None:
+        return node
+    return dataclasses.replace(node, fn=_compat.eqn_evaluator(node.eqn))
+
+
 def _unrolls(eqn) -> bool:
     return (
         eqn.primitive.name == "scan"
@@ -262,7 +273,7 @@ def _keep_scan(eqn, atoms: Sequence[Atom], made) -> _Piece | None:
         xs=xs,
         carry_in=carry_in,
         xs_in=xs_in,
-        body=inner.nodes,
+        body=tuple(_as_written(n) for n in inner.nodes),
         body_outs=tuple(inner.outs),  # pyright: ignore
         length=length,
         reverse=scan.reverse,

@@ -1,0 +1,71 @@
+"""Convolutions evaluated in the layout whose derivative XLA:CPU runs fast anywhere.
+
+XLA:CPU gives a convolution its fast (Eigen) form, channels-last input and output
+and an HWIO kernel, by layout assignment, which reaches only the entry
+computation: inside a `lax.cond` branch or a loop body, a convolution written
+NCHW/OIHW (Equinox's layout) runs as a naive loop nest, 2.5-5x slower
+(benchmarks/RESULTS.md, "Issue 26, eleventh session"). `kfac_step` pulls its
+statistics' cotangents back through the model inside a `cond`: through the
+transposes of the model's convolutions.
+
+`conv_evaluator` evaluates a convolution equation with its input and output
+channels-last and its kernel HWOI (explicit transposes around it): the same
+values, and JAX's transpose of it, the input's cotangent, is then a convolution of
+a channels-last cotangent with an HWIO kernel, XLA:CPU's fast form without layout
+assignment. In the entry computation XLA lays out both forms alike.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from ... import _compat
+
+
+def _canonical(spec: tuple[int, ...]) -> tuple[int, ...]:
+    """The permutation to (batch or output, *spatial, feature or input) of an array
+    whose axes `spec` names (batch, feature, *spatial)."""
+    return (spec[0], *spec[2:], spec[1])
+
+
+def conv_evaluator(eqn: Any) -> Callable[..., list[Any]] | None:
+    """An evaluator (as `_compat.eqn_evaluator`'s) of a `conv_general_dilated`
+    equation that computes it channels-last with an HWOI kernel on the CPU; None
+    for other equations, grouped convolutions, and operands that are literals or
+    one variable twice."""
+    if eqn.primitive.name != "conv_general_dilated":
+        return None
+    ungrouped = all(
+        _compat.param(eqn, name) == 1
+        for name in ("feature_group_count", "batch_group_count")
+    )
+    if not ungrouped or len(_compat.unique_invars(eqn)) != 2:
+        return None
+    dn = _compat.param(eqn, "dimension_numbers")
+    lhs_perm, out_perm = _canonical(dn.lhs_spec), _canonical(dn.out_spec)
+    # (*spatial, output, input): the transpose's kernel is then (*spatial, in, out).
+    rhs_perm = (*dn.rhs_spec[2:], dn.rhs_spec[0], dn.rhs_spec[1])
+    k = len(dn.lhs_spec) - 2
+    channels_last = (0, k + 1, *range(1, k + 1))
+    params = dict(eqn.params)
+    params["dimension_numbers"] = jax.lax.ConvDimensionNumbers(
+        lhs_spec=channels_last,
+        rhs_spec=(k, k + 1, *range(k)),
+        out_spec=channels_last,
+    )
+    original = _compat.eqn_evaluator(eqn)
+    back = tuple(int(i) for i in np.argsort(out_perm))
+
+    def evaluate(lhs, rhs) -> list[Any]:
+        if jax.default_backend() != "cpu":
+            return original(lhs, rhs)
+        out = eqn.primitive.bind(
+            jax.numpy.transpose(lhs, lhs_perm),
+            jax.numpy.transpose(rhs, rhs_perm),
+            **params,
+        )
+        return [jax.numpy.transpose(out, back)]
+
+    return evaluate
