@@ -206,14 +206,16 @@ def float_type(leaves: Sequence[Array]) -> type:
 
 
 # `all_finite` reduces a leaf of more elements than this by itself: the
-# concatenation would copy it (a 1,025-square factor: 4 MB, about 1 ms a check).
-_ALL_FINITE_MAX_JOINED = 2**16
+# concatenation would copy it (a 1,025-square factor: 4 MB, about 1 ms a check),
+# where a kernel more costs about 5 ms of compile time once (the 12-block GPT's
+# stacked factors, 12 x 129², stay joined).
+_ALL_FINITE_MAX_JOINED = 2**18
 
 
 def all_finite(tree: PyTree) -> Array:
     """Whether every element of every leaf is finite: one reduction over the leaves
     concatenated, which XLA fuses into one kernel (a reduction per leaf is a
-    kernel each, about 7 ms of compile time apiece); a leaf of more than 2**16
+    kernel each, about 7 ms of compile time apiece); a leaf of more than 2**18
     elements is summed by itself, times 0, not copied."""
     leaves = [jnp.ravel(x) for x in jax.tree_util.tree_leaves(tree)]
     large = [x for x in leaves if x.size > _ALL_FINITE_MAX_JOINED]
