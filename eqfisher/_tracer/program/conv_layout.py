@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ... import _compat
@@ -66,10 +67,10 @@ def conv_evaluator(eqn: Any) -> Callable[..., list[Any]] | None:
         if jax.default_backend() != "cpu":
             return original(lhs, rhs)
         out = eqn.primitive.bind(
-            jax.numpy.transpose(lhs, lhs_perm),
-            jax.numpy.transpose(rhs, rhs_perm),
+            jnp.transpose(lhs, lhs_perm),
+            jnp.transpose(rhs, rhs_perm),
             **params,
         )
-        return [jax.numpy.transpose(out, back)]
+        return [jnp.transpose(out, back)]
 
     return evaluate
