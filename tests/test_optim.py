@@ -738,8 +738,16 @@ def test_an_int_curvature_due_is_a_period_by_the_states_count(jit):
     # A Python bool is a boolean, not a period of 1 or 0.
     same = update(grads, by_int, params, curvature=curv, curvature_due=False)
     assert _leaves_equal(same, update(grads, by_int, params))
-    for bad in (0, -2):
+    for bad in (0, -2, np.int64(0)):
         with pytest.raises(ValueError, match=r"curvature_due=.*k >= 1, got"):
+            opt.update(grads, by_int, params, curvature=curv, curvature_due=bad)
+    # A NumPy integer is a period too (outside jit, where it is not traced); an
+    # integer array is refused, not read as a truth value.
+    by_np = opt.update(grads, by_int, params, curvature=curv, curvature_due=np.int64(3))
+    by_py = opt.update(grads, by_int, params, curvature=curv, curvature_due=3)
+    assert _leaves_equal(by_np, by_py)
+    for bad in (jnp.asarray(2), jnp.asarray([True])):
+        with pytest.raises(TypeError, match=r"curvature_due=.*boolean scalar"):
             opt.update(grads, by_int, params, curvature=curv, curvature_due=bad)
 
 

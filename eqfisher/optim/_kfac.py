@@ -4,8 +4,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
-from jaxtyping import Array, PyTree
+from jaxtyping import Array, ArrayLike, PyTree
 
 from .._curvature import Curvature
 from ..blocks._base import scalars_checked
@@ -105,7 +106,7 @@ def receive(
     updates: PyTree,
     state: KFACState,
     curvature: Curvature | Callable[[], Curvature] | None,
-    due: Array | int | None,
+    due: ArrayLike | None,
     fold_in: Callable[[KFACState, Curvature], KFACState],
 ) -> tuple[PyTree, KFACState]:
     """`(updates, state)` after an update's `curvature=` and `curvature_due=`:
@@ -128,15 +129,22 @@ def receive(
 
     if due is None:
         return updates, folded()
-    if isinstance(due, bool):  # a Python bool: whether due, not a period
-        due = jnp.asarray(due)
-    if isinstance(due, int):
+    argument = f"`eqfisher.optim.{caller}(...).update(..., curvature_due=...)`"
+    # A Python or NumPy bool says whether due; an int is a period.
+    if isinstance(due, (int, np.integer)) and not isinstance(due, (bool, np.bool_)):
         if due < 1:
             raise ValueError(
-                f"`eqfisher.optim.{caller}(...).update(..., curvature_due=...)`: "
-                f"an int is a period, every k-th update: k >= 1, got {due}."
+                f"{argument}: an int is a period, every k-th update: k >= 1, got {due}."
             )
-        return updates, jax.lax.cond(state.count % due == 0, folded, lambda: state)
+        period = int(due)
+        return updates, jax.lax.cond(state.count % period == 0, folded, lambda: state)
+    due = jnp.asarray(due)
+    if due.shape != () or due.dtype != jnp.bool_:
+        # `lax.cond` would read a nonzero integer array as true.
+        raise TypeError(
+            f"{argument}: a boolean scalar (whether an estimate is due) or a "
+            f"positive int (a period), got an array of {due.dtype}{list(due.shape)}."
+        )
     updates = require_estimate(caller, updates, state, unless=due)
     # Between estimates the average is passed through, not recomputed and selected.
     return updates, jax.lax.cond(due, folded, lambda: state)
@@ -253,7 +261,9 @@ def kfac_preconditioner(
     **Raises:**
 
     `ValueError` (or `TypeError`) for arguments out of range (see `kfac`). At
-    `update` (under `jit`, Equinox's runtime error): an update without
+    `update`, a `TypeError` for a `curvature_due` that is an array but not a
+    boolean scalar, a `ValueError` for an int below 1. At `update` (under `jit`,
+    Equinox's runtime error): an update without
     `curvature=` before any curvature has been received (K-FAC is not a plain
     optax optimiser: it needs curvature estimates), and a `damping` schedule
     value that is not finite and positive or a `learning_rate` schedule value
