@@ -4,6 +4,7 @@ with other XLA compiler options, at the top level and inside another trace."""
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import eqfisher as ef
@@ -104,3 +105,100 @@ def test_options_are_found_inside_a_trace_too():
     inside = []
     jax.jit(lambda x: (inside.append(optim.fast_compile_options()), x)[1])(1.0)
     assert inside == [optim.fast_compile_options()]
+
+
+def test_the_step_jit_traces_arrays_and_keeps_other_leaves_static():
+    from eqfisher.optim._compile import filter_jit_with_options
+
+    traces = []
+
+    def fun(model, batch, scale=1.0, *, key=None):
+        traces.append(None)
+        out = scale * model.weight @ batch[0] + batch[1]
+        return out, model, scale, key
+
+    jitted = filter_jit_with_options(fun, optim.fast_compile_options())
+    model = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+    x = jnp.arange(3.0)
+    batch = (x, np.float64(0.5))  # a NumPy scalar is an array leaf, as in filter_jit
+    out, back, scale, key = jitted(model, batch, 2.0, key=None)
+    assert jnp.allclose(out, 2.0 * model.weight @ x + 0.5, rtol=1e-12)
+    # The model comes back whole: arrays through the jit, the rest as it was.
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(model)
+    assert tree_allclose(back, model, rtol=0, atol=0)
+    assert scale == 2.0 and isinstance(scale, float) and key is None
+    # Other arrays of the same shapes: no new trace; another Python scalar: one.
+    other = eqx.tree_at(lambda m: m.weight, model, 2 * model.weight)
+    jitted(other, (x + 1, np.float64(1.5)), 2.0, key=None)
+    assert len(traces) == 1
+    again, *_ = jitted(model, batch, 3.0, key=None)
+    assert len(traces) == 2
+    assert jnp.allclose(again, 3.0 * model.weight @ x + 0.5, rtol=1e-12)
+    # It matches equinox's own filter_jit.
+    reference = eqx.filter_jit(fun)(model, batch, 3.0)
+    assert tree_allclose(again, reference[0], rtol=1e-12, atol=0)
+
+
+class _Indexed(eqx.Module):
+    """An MLP with an integer array beside its weights: returned unchanged."""
+
+    mlp: eqx.nn.MLP
+    order: jax.Array
+
+    def __call__(self, x):
+        return self.mlp(x[self.order])
+
+
+def _indexed_loss(model, batch):
+    x, y = batch
+    return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
+
+
+def test_donated_steps_train_as_undonated_and_free_the_old_arrays():
+    mlp, batch = problem()
+    # A copy: `problem()` is cached, and the donated steps delete what they get.
+    mlp = jax.tree_util.tree_map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, mlp)
+    model = _Indexed(mlp, jnp.arange(3)[::-1])
+    params = eqx.filter(model, eqx.is_inexact_array)
+    vgc = ef.value_grad_and_curvature(
+        _indexed_loss, estimator=ef.GGN(), structure=ef.KFAC()
+    )
+    opt = optim.kfac(0.1, like=optim.curvature_like(vgc, model, batch))
+    runs = {}
+    for donate in (False, True):
+        step = optim.kfac_step(
+            _indexed_loss,
+            opt,
+            estimator=ef.GGN(),
+            structure=ef.KFAC(),
+            curvature_update_period=2,
+            donate=donate,
+        )
+        # A fresh state holds one zero array in several leaves: copied, not
+        # donated twice.
+        m = jax.tree_util.tree_map(
+            lambda x: jnp.copy(x) if eqx.is_array(x) else x, model
+        )
+        state = opt.init(params)
+        for _ in range(4):
+            before = (m, state)
+            m, state, loss = step(m, state, batch)
+            old = jax.tree_util.tree_leaves(eqx.filter(before, eqx.is_array))
+            assert all(x.is_deleted() for x in old) == donate
+            # The batch is never donated.
+            assert not any(x.is_deleted() for x in batch)
+        runs[donate] = (eqx.filter(m, eqx.is_array), state, loss)
+    assert tree_allclose(runs[True], runs[False], rtol=1e-12, atol=1e-14)
+    assert jnp.array_equal(runs[True][0].order, jnp.arange(3)[::-1])
+
+
+def test_donate_must_be_a_bool():
+    opt = optim.kfac(0.1, like=like())
+    with pytest.raises(TypeError, match="donate"):
+        optim.kfac_step(
+            loss_fn,
+            opt,
+            estimator=ef.GGN(),
+            structure=ef.KFAC(),
+            donate=1,  # pyright: ignore[reportArgumentType]
+        )

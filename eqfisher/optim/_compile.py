@@ -1,7 +1,7 @@
 """XLA compiler options that halve the first-call compile of a K-FAC step on the CPU."""
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -72,29 +72,94 @@ def _nested_options_error(error: ValueError) -> bool:
     return "compiler_options" in str(error) and "top-level" in str(error)
 
 
-def filter_jit_with_options(fun: Callable, options: dict[str, Any]) -> Callable:
-    """`eqx.filter_jit(fun)`, compiled with the XLA compiler `options` when called
-    outside any trace. Inside one (another `jit`, `lax.scan`, `vmap`) the plain
-    `filter_jit`: jax refuses compiler options on a nested `jit`, and the outer
-    computation's options apply to it anyway."""
-    plain = eqx.filter_jit(fun)
-    if not options:
-        return plain
-    # equinox's typed overloads leave out the `**jitkwargs` it passes to `jax.jit`.
-    optioned = eqx.filter_jit(fun, compiler_options=options)  # pyright: ignore[reportCallIssue]
+class _Static(eqx.Module):
+    """A traced function's non-array outputs and their places, carried by the
+    output's tree structure: no leaves, so `jax.jit` returns them as they are."""
+
+    value: Any = eqx.field(static=True)
+
+
+# Stands for an array leaf in the static half of a flattened call.
+_ARRAY = object()
+
+
+def _split(tree: Any) -> tuple[list[Any], tuple[Any, tuple[Any, ...]]]:
+    """`tree`'s array leaves, and what rebuilds it from them (`_join`): its
+    structure and its other leaves, in place, with `_ARRAY` for each array."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    arrays = [x for x in leaves if eqx.is_array(x)]
+    rest = tuple(_ARRAY if eqx.is_array(x) else x for x in leaves)
+    return arrays, (treedef, rest)
+
+
+def _join(arrays: Sequence[Any], static: tuple[Any, tuple[Any, ...]]) -> Any:
+    treedef, rest = static
+    it = iter(arrays)
+    return jax.tree_util.tree_unflatten(
+        treedef, [next(it) if x is _ARRAY else x for x in rest]
+    )
+
+
+def _distinct(donated: list[Any], kept: list[Any]) -> list[Any]:
+    """`donated`, where an array also found earlier among them or among `kept`
+    replaced by a copy: jax refuses to donate one buffer twice, and a fresh
+    optimiser state can hold one array in several leaves."""
+    seen = {id(x) for x in kept}
+    out = []
+    for x in donated:
+        if id(x) in seen:
+            x = jnp.copy(x)
+        seen.add(id(x))
+        out.append(x)
+    return out
+
+
+def filter_jit_with_options(
+    fun: Callable, options: dict[str, Any], donate_first: int = 0
+) -> Callable:
+    """`fun` jitted as `eqx.filter_jit` does (array leaves traced, every other leaf
+    static), compiled with the XLA compiler `options` when called outside any
+    trace, and there the arrays of its first `donate_first` positional arguments
+    donated (`jax.jit(donate_argnums=...)`: XLA may write the outputs into their
+    buffers, and deletes them). Inside a trace (another `jit`, `lax.scan`,
+    `vmap`) without either: jax refuses compiler options on a nested `jit`, and
+    the outer computation's options and donations apply to it anyway.
+
+    A call flattens its arguments once and hands `jax.jit` the lists of arrays
+    and a hashable static half; the outputs come back the same way. That costs
+    less than `eqx.filter_jit`'s dispatch: 0.05-0.15 ms a call of a `kfac_step`
+    step (benchmarks/RESULTS.md, "Issue 26, twelfth session")."""
+
+    def flat(static, donated, kept):
+        head = _join(donated, static[0])
+        tail, kwargs = _join(kept, static[1])
+        out_arrays, out_static = _split(fun(*head, *tail, **kwargs))
+        return out_arrays, _Static(out_static)
+
+    plain = jax.jit(flat, static_argnums=0)
+    top = jax.jit(
+        flat,
+        static_argnums=0,
+        donate_argnums=1 if donate_first else (),
+        compiler_options=options or None,
+    )
 
     @functools.wraps(fun)
     def call(*args, **kwargs):
-        if any(
-            isinstance(x, jax.core.Tracer)
-            for x in jax.tree_util.tree_leaves((args, kwargs))
-        ):
-            return plain(*args, **kwargs)
-        try:
-            return optioned(*args, **kwargs)
-        except ValueError as e:  # inside a trace that closed over these arrays
-            if not _nested_options_error(e):
-                raise
-            return plain(*args, **kwargs)
+        donated, static_head = _split(args[:donate_first])
+        kept, static_tail = _split((args[donate_first:], kwargs))
+        static = (static_head, static_tail)
+        if any(isinstance(x, jax.core.Tracer) for x in (*donated, *kept)):
+            out_arrays, out_static = plain(static, donated, kept)
+        else:
+            try:
+                out_arrays, out_static = top(
+                    static, _distinct(donated, kept) if donated else donated, kept
+                )
+            except ValueError as e:  # inside a trace that closed over these arrays
+                if not _nested_options_error(e):
+                    raise
+                out_arrays, out_static = plain(static, donated, kept)
+        return _join(out_arrays, out_static.value)
 
     return call

@@ -41,6 +41,7 @@ def kfac_step(
     curvature_update_period: int = 2,
     curvature_batch_size: int | None = None,
     fast_compile: bool = True,
+    donate: bool = False,
 ) -> Callable:
     r"""One jitted training step: gradient, curvature when due, optimiser update.
 
@@ -75,6 +76,13 @@ def kfac_step(
       thousand steps. On jaxlib 0.12 LLVM -O1 only (the XLA compile 6-13%
       shorter); no effect on a GPU, or when `step` is called inside another
       `jit` (that one's options apply).
+    - `donate`: `True` donates the arrays of the `model` and `opt_state` passed to
+      `step` (`jax.jit(donate_argnums=...)`, as kfac_jax's step always does): XLA
+      writes the new ones into their buffers instead of copying the curvature
+      averages and cached inverses every step, and the arrays passed in are
+      deleted, so only the returned ones may be used again. Default `False`: the
+      arguments stay usable (a state reused for several runs, say). No effect
+      inside another `jit` (that one's donations apply).
 
     **Returns:**
 
@@ -84,9 +92,9 @@ def kfac_step(
     **Raises:**
 
     `ValueError` when `curvature_update_period` or `curvature_batch_size` is not a
-    positive integer; `TypeError` when `fast_compile` is not a bool; at the first
-    step, when `optimiser`'s state holds no K-FAC state, and the errors of
-    `eqfisher.value_grad_and_curvature`.
+    positive integer; `TypeError` when `fast_compile` or `donate` is not a bool;
+    at the first step, when `optimiser`'s state holds no K-FAC state, and the
+    errors of `eqfisher.value_grad_and_curvature`.
 
     !!! Example
 
@@ -106,11 +114,11 @@ def kfac_step(
     check_positive_int(caller, "curvature_update_period", curvature_update_period)
     if curvature_batch_size is not None:
         check_positive_int(caller, "curvature_batch_size", curvature_batch_size)
-    if not isinstance(fast_compile, bool):
-        raise TypeError(
-            f"`eqfisher.optim.kfac_step(fast_compile=...)`: True or False, got "
-            f"{fast_compile!r}."
-        )
+    for name, flag in (("fast_compile", fast_compile), ("donate", donate)):
+        if not isinstance(flag, bool):
+            raise TypeError(
+                f"`eqfisher.optim.kfac_step({name}=...)`: True or False, got {flag!r}."
+            )
     vgc = value_grad_and_curvature(loss_fn, estimator=estimator, structure=structure)
     then = value_grad_then_curvature(loss_fn, estimator=estimator, structure=structure)
     value_and_grad = eqx.filter_value_and_grad(loss_fn)
@@ -135,4 +143,6 @@ def kfac_step(
         )
         return eqx.apply_updates(model, updates), opt_state, loss
 
-    return filter_jit_with_options(step, fast_compile_options() if fast_compile else {})
+    return filter_jit_with_options(
+        step, fast_compile_options() if fast_compile else {}, 2 if donate else 0
+    )
