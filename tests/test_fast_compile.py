@@ -202,3 +202,18 @@ def test_donate_must_be_a_bool():
             structure=ef.KFAC(),
             donate=1,  # pyright: ignore[reportArgumentType]
         )
+
+
+def test_the_step_lowers_and_traces_ahead_of_time():
+    opt, step = _step(True)
+    model, batch = problem()
+    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    traced = step.trace(model, state, batch)
+    primitives = {e.primitive.name for e in traced.jaxpr.jaxpr.eqns}
+    assert "cond" in primitives  # the statistics' one `lax.cond`, at the top
+    compiled = step.lower(model, state, batch).compile()
+    # The statistics are chosen by one conditional, compiled once.
+    assert compiled.as_text().count(" conditional(") >= 1
+    # Compiling ahead of time leaves the step as it was.
+    _, _, losses = _train(step, opt, n=2)
+    assert jnp.all(jnp.isfinite(losses))

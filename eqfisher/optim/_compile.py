@@ -114,6 +114,56 @@ def _distinct(donated: list[Any], kept: list[Any]) -> list[Any]:
     return out
 
 
+class _FlatJit:
+    """`fun` jitted as `eqx.filter_jit` does; see `filter_jit_with_options`."""
+
+    def __init__(self, fun: Callable, options: dict[str, Any], donate_first: int):
+        def flat(static, donated, kept):
+            head = _join(donated, static[0])
+            tail, kwargs = _join(kept, static[1])
+            out_arrays, out_static = _split(fun(*head, *tail, **kwargs))
+            return out_arrays, _Static(out_static)
+
+        self._donate_first = donate_first
+        self._plain = jax.jit(flat, static_argnums=0)
+        self._top = jax.jit(
+            flat,
+            static_argnums=0,
+            donate_argnums=1 if donate_first else (),
+            compiler_options=options or None,
+        )
+        functools.update_wrapper(self, fun)
+
+    def _flatten(self, args: tuple, kwargs: dict) -> tuple[Any, list, list]:
+        donated, static_head = _split(args[: self._donate_first])
+        kept, static_tail = _split((args[self._donate_first :], kwargs))
+        return (static_head, static_tail), donated, kept
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        static, donated, kept = self._flatten(args, kwargs)
+        if any(isinstance(x, jax.core.Tracer) for x in (*donated, *kept)):
+            out_arrays, out_static = self._plain(static, donated, kept)
+        else:
+            try:
+                out_arrays, out_static = self._top(
+                    static, _distinct(donated, kept) if donated else donated, kept
+                )
+            except ValueError as e:  # inside a trace that closed over these arrays
+                if not _nested_options_error(e):
+                    raise
+                out_arrays, out_static = self._plain(static, donated, kept)
+        return _join(out_arrays, out_static.value)
+
+    def trace(self, *args: Any, **kwargs: Any) -> Any:
+        """jax's `Traced` of a call at the top level (`.lower()`, `.jaxpr`)."""
+        return self._top.trace(*self._flatten(args, kwargs))
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """jax's `Lowered` of a call at the top level (`.compile()`, `.as_text()`),
+        with the compiler options and donations of a call."""
+        return self._top.lower(*self._flatten(args, kwargs))
+
+
 def filter_jit_with_options(
     fun: Callable, options: dict[str, Any], donate_first: int = 0
 ) -> Callable:
@@ -123,43 +173,11 @@ def filter_jit_with_options(
     donated (`jax.jit(donate_argnums=...)`: XLA may write the outputs into their
     buffers, and deletes them). Inside a trace (another `jit`, `lax.scan`,
     `vmap`) without either: jax refuses compiler options on a nested `jit`, and
-    the outer computation's options and donations apply to it anyway.
+    the outer computation's options and donations apply to it anyway. Its
+    `.trace(...)` and `.lower(...)` are jax's, for a call at the top level.
 
     A call flattens its arguments once and hands `jax.jit` the lists of arrays
     and a hashable static half; the outputs come back the same way. That costs
-    less than `eqx.filter_jit`'s dispatch: 0.05-0.15 ms a call of a `kfac_step`
+    less than `eqx.filter_jit`'s dispatch: 0.05-0.25 ms a call of a `kfac_step`
     step (benchmarks/RESULTS.md, "Issue 26, twelfth session")."""
-
-    def flat(static, donated, kept):
-        head = _join(donated, static[0])
-        tail, kwargs = _join(kept, static[1])
-        out_arrays, out_static = _split(fun(*head, *tail, **kwargs))
-        return out_arrays, _Static(out_static)
-
-    plain = jax.jit(flat, static_argnums=0)
-    top = jax.jit(
-        flat,
-        static_argnums=0,
-        donate_argnums=1 if donate_first else (),
-        compiler_options=options or None,
-    )
-
-    @functools.wraps(fun)
-    def call(*args, **kwargs):
-        donated, static_head = _split(args[:donate_first])
-        kept, static_tail = _split((args[donate_first:], kwargs))
-        static = (static_head, static_tail)
-        if any(isinstance(x, jax.core.Tracer) for x in (*donated, *kept)):
-            out_arrays, out_static = plain(static, donated, kept)
-        else:
-            try:
-                out_arrays, out_static = top(
-                    static, _distinct(donated, kept) if donated else donated, kept
-                )
-            except ValueError as e:  # inside a trace that closed over these arrays
-                if not _nested_options_error(e):
-                    raise
-                out_arrays, out_static = plain(static, donated, kept)
-        return _join(out_arrays, out_static.value)
-
-    return call
+    return _FlatJit(fun, options, donate_first)

@@ -87,7 +87,9 @@ def kfac_step(
     **Returns:**
 
     `step(model, opt_state, batch, key=None) -> (model, opt_state, loss)`, jitted;
-    `key` is needed by Monte-Carlo estimators.
+    `key` is needed by Monte-Carlo estimators. `step.lower(model, opt_state, batch,
+    key)` is jax's `Lowered` of that call (`.compile()` to time or inspect the
+    compile apart from the run, `.as_text()`), and `step.trace(...)` its `Traced`.
 
     **Raises:**
 
