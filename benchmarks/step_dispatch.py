@@ -37,6 +37,10 @@ import eqfisher as ef
 NO_STATISTICS = 10**9
 
 
+def _copy_array(x):
+    return jnp.copy(x) if eqx.is_array(x) else x
+
+
 def _ms(step, model, state, batches, keys) -> float:
     for batch, key in zip(batches, keys):
         model, state, _ = step(model, state, batch, key)
@@ -92,8 +96,7 @@ def measure(name: str) -> dict[str, float]:
             donate=donate,
         )
         # A copy: a donated step deletes the arrays it is given.
-        fresh = lambda x: jnp.copy(x) if eqx.is_array(x) else x  # noqa: E731
-        start = jax.tree_util.tree_map(fresh, (model, opt.init(params)))
+        start = jax.tree_util.tree_map(_copy_array, (model, opt.init(params)))
         ms[tag] = _ms(step, *start, batches, keys)
         if tag == "kfac":
             options = ef.optim.fast_compile_options() or None

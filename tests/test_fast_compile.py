@@ -86,15 +86,13 @@ def test_fast_step_inside_jit_scan_and_a_closure():
     assert tree_allclose(out[2], first[2][0], rtol=1e-9, atol=1e-12)
 
 
-def test_fast_compile_must_be_a_bool():
+@pytest.mark.parametrize("flag", ["fast_compile", "donate"])
+@pytest.mark.parametrize("value", ["yes", 1])
+def test_flags_must_be_bools(flag, value):
     opt = optim.kfac(0.1, like=like())
-    with pytest.raises(TypeError, match="fast_compile"):
+    with pytest.raises(TypeError, match=flag):
         optim.kfac_step(
-            loss_fn,
-            opt,
-            estimator=ef.GGN(),
-            structure=ef.KFAC(),
-            fast_compile="yes",  # pyright: ignore[reportArgumentType]
+            loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC(), **{flag: value}
         )
 
 
@@ -149,6 +147,11 @@ class _Indexed(eqx.Module):
         return self.mlp(x[self.order])
 
 
+def _copied(tree):
+    """`tree` with every array copied: a donated step deletes what it is given."""
+    return jax.tree_util.tree_map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, tree)
+
+
 def _indexed_loss(model, batch):
     x, y = batch
     return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
@@ -157,8 +160,7 @@ def _indexed_loss(model, batch):
 def test_donated_steps_train_as_undonated_and_free_the_old_arrays():
     mlp, batch = problem()
     # A copy: `problem()` is cached, and the donated steps delete what they get.
-    mlp = jax.tree_util.tree_map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, mlp)
-    model = _Indexed(mlp, jnp.arange(3)[::-1])
+    model = _Indexed(_copied(mlp), jnp.arange(3)[::-1])
     params = eqx.filter(model, eqx.is_inexact_array)
     vgc = ef.value_grad_and_curvature(
         _indexed_loss, estimator=ef.GGN(), structure=ef.KFAC()
@@ -176,9 +178,7 @@ def test_donated_steps_train_as_undonated_and_free_the_old_arrays():
         )
         # A fresh state holds one zero array in several leaves: copied, not
         # donated twice.
-        m = jax.tree_util.tree_map(
-            lambda x: jnp.copy(x) if eqx.is_array(x) else x, model
-        )
+        m = _copied(model)
         state = opt.init(params)
         for _ in range(4):
             before = (m, state)
@@ -190,18 +190,6 @@ def test_donated_steps_train_as_undonated_and_free_the_old_arrays():
         runs[donate] = (eqx.filter(m, eqx.is_array), state, loss)
     assert tree_allclose(runs[True], runs[False], rtol=1e-12, atol=1e-14)
     assert jnp.array_equal(runs[True][0].order, jnp.arange(3)[::-1])
-
-
-def test_donate_must_be_a_bool():
-    opt = optim.kfac(0.1, like=like())
-    with pytest.raises(TypeError, match="donate"):
-        optim.kfac_step(
-            loss_fn,
-            opt,
-            estimator=ef.GGN(),
-            structure=ef.KFAC(),
-            donate=1,  # pyright: ignore[reportArgumentType]
-        )
 
 
 def test_the_step_lowers_and_traces_ahead_of_time():
