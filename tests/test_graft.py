@@ -57,7 +57,10 @@ def test_kfac_is_the_grafted_preconditioner_times_the_learning_rate():
         "grafted": optax.chain(
             optim.graft(
                 optim.kfac_preconditioner(
-                    like=like(), damping=1e-4, inverse_every=10, norm_constraint=None
+                    like=like(),
+                    damping=optim.GRAFTED_DAMPING,
+                    inverse_every=optim.GRAFTED_INVERSE_EVERY,
+                    norm_constraint=None,
                 ),
                 optax.scale_by_adam(),
             ),
@@ -66,7 +69,10 @@ def test_kfac_is_the_grafted_preconditioner_times_the_learning_rate():
         "plain": optax.chain(
             # The norm constraint bounds the step after the learning rate.
             optim.kfac_preconditioner(
-                like=like(), damping=1e-4, inverse_every=10, learning_rate=lr
+                like=like(),
+                damping=optim.GRAFTED_DAMPING,
+                inverse_every=optim.GRAFTED_INVERSE_EVERY,
+                learning_rate=lr,
             ),
             optax.scale_by_learning_rate(lr),
         ),

@@ -376,7 +376,7 @@ def kfac(
     learning_rate: ScalarOrSchedule,
     *,
     like: Curvature,
-    damping: ScalarOrSchedule = 1e-4,
+    damping: ScalarOrSchedule = 3e-5,
     momentum: float = 0.0,
     decay: float = 0.95,
     inverse_every: int = 10,
@@ -396,7 +396,7 @@ def kfac(
       With the default `graft`, it is on Adam's scale (each leaf steps as far as
       Adam at this rate would step it), so the rates that suit Adam suit it.
     - `like`, `damping`, `decay`, `inverse_every`, `damping_variant`: see
-      `kfac_preconditioner`. The defaults: `damping=1e-4`, `momentum=0`,
+      `kfac_preconditioner`. The defaults: `damping=3e-5`, `momentum=0`,
       `decay=0.95`, `inverse_every=10`, `FactoredTikhonov()` (π-damping; factors
       wider than 1024 inverted by their diagonal blocks), `graft=
       flatten_if_small(optax.scale_by_adam())` (chosen by
