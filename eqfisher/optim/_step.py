@@ -64,7 +64,8 @@ def kfac_step(
     - `curvature_update_period`: $k \ge 1$: curvature statistics at steps
       $0, k, 2k, \ldots$ (default 2, from the benchmark grid of `kfac`'s grafted
       defaults: fewer steps to a target than $k = 4$ on all five of its problems;
-      $k = 1$ takes fewer on four, at a statistics pass every step).
+      $k = 1$ takes as few or fewer, but at a statistics pass every step it took
+      more seconds on three of them, `benchmarks/RESULTS.md`).
     - `curvature_batch_size`: `None` (the whole batch), or n: the statistics come
       from the first n examples of every leaf of `batch` (leading axis), the
       gradient from the whole batch (one extra forward and backward on n
