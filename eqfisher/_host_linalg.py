@@ -6,10 +6,16 @@ On the CPU, the K-FAC optimiser's refresh of its cached inverses
 written in XLA (a batched Cholesky per size class, each with its
 eigendecomposition fallback under a `lax.cond`) took a fifth to a third of a
 K-FAC training step's first-call compile, and ran about as fast: it is the same
-LAPACK (benchmarks/RESULTS.md, "Issue 26, eighth session")."""
+LAPACK (benchmarks/RESULTS.md, "Issue 26, eighth session"). The callback runs
+LAPACK on its own thread only (`one_blas_thread`), so that no OpenBLAS worker is
+left spinning beside XLA's threads after it."""
 
+import contextlib
+import ctypes
 import functools
-from collections.abc import Sequence
+import glob
+import os
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -46,6 +52,11 @@ def shifted_inverses(factors: Sequence[Array], shifts: Array) -> list[Array]:
 
 
 def _numpy_inverses(factors, shifts) -> list[np.ndarray]:
+    with one_blas_thread():
+        return _numpy_inverses_here(factors, shifts)
+
+
+def _numpy_inverses_here(factors, shifts) -> list[np.ndarray]:
     out, shifts = [], np.asarray(shifts)
     ends = np.cumsum([np.shape(stack)[0] for stack in factors])
     for stack, shift in zip(factors, np.split(shifts, ends[:-1])):
@@ -87,3 +98,57 @@ def _numpy_inverse(
     except np.linalg.LinAlgError:  # did not converge
         return np.full_like(factor, np.nan)
     return (vectors / (np.maximum(values, 0) + shift)) @ vectors.T
+
+
+# OpenBLAS's worker threads spin for about 2**28 cycles (0.1 s) after each
+# multithreaded call before they sleep. On a CPU with few cores, a worker left
+# spinning by the refresh takes a core from XLA's own threads for the next steps:
+# on the 2-core machine of benchmarks/RESULTS.md a K-FAC step of the CNN that
+# follows a refresh took 9-12 ms instead of 7, a refresh step 45 ms instead of
+# 34 (benchmarks/RESULTS.md, "Issue 26, fourteenth session"). So the refresh runs
+# its LAPACK on the calling thread alone (OpenBLAS >= 0.3.27's thread-local
+# setting: other threads' BLAS is untouched).
+_LOCAL_SETTER = "openblas_set_num_threads_local"
+
+
+def _openblas_paths() -> set[str]:
+    """The OpenBLAS libraries this process has loaded (from /proc/self/maps), or
+    elsewhere those that NumPy's and SciPy's wheels ship."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(maxsplit=5)[-1].strip() for line in maps}
+    except OSError:  # not Linux
+        paths = set()
+        for package in (np, scipy):
+            root = os.path.dirname(os.path.dirname(package.__file__ or ""))
+            name = package.__name__
+            for where in (f"{name}.libs", os.path.join(name, ".dylibs")):
+                paths.update(glob.glob(os.path.join(root, where, "*")))
+    return {p for p in paths if "openblas" in os.path.basename(p).lower()}
+
+
+@functools.cache
+def thread_local_setters() -> tuple[Callable[[int], int], ...]:
+    """`openblas_set_num_threads_local` of each OpenBLAS found that has it."""
+    setters = []
+    for path in sorted(_openblas_paths()):
+        try:
+            setter = getattr(ctypes.CDLL(path), _LOCAL_SETTER)
+        except (OSError, AttributeError):  # not loadable, or OpenBLAS < 0.3.27
+            continue
+        setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
+        setters.append(setter)
+    return tuple(setters)
+
+
+@contextlib.contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """OpenBLAS on the calling thread alone inside the block (each OpenBLAS
+    loaded, where it has a thread-local setting; else nothing changes)."""
+    setters = thread_local_setters()
+    before = [setter(1) for setter in setters]
+    try:
+        yield
+    finally:
+        for setter, n in zip(setters, before):
+            setter(n)

@@ -8,6 +8,7 @@ half precision, non-finite factors, `vmap`, what the compiled refresh contains,
 and a K-FAC run taking the same steps either way.
 """
 
+import contextlib
 import re
 
 import equinox as eqx
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 import eqfisher as ef
+from eqfisher import _host_linalg as host_linalg
 from eqfisher.blocks import kronecker
 
 from . import optim_problem
@@ -189,3 +191,57 @@ def test_on_host_must_be_a_bool_or_none(bad, unchecked):
     # As users see it (the runtime type check, on in the tests, refuses it first).
     with pytest.raises(ValueError, match=r"FactoredTikhonov\(on_host=\.\.\.\)"):
         ef.optim.FactoredTikhonov(on_host=bad)
+
+
+def _scipy_openblas_version() -> tuple[int, ...] | None:
+    """The version of the OpenBLAS SciPy's LAPACK was built with, if it is one."""
+    import scipy
+
+    lapack = scipy.show_config(mode="dicts")["Build Dependencies"]["lapack"]
+    if "openblas" not in lapack.get("name", "").lower():
+        return None
+    return tuple(int(n) for n in re.findall(r"\d+", lapack.get("version", ""))[:3])
+
+
+def _thread_settings() -> list[int]:
+    """Each loaded OpenBLAS's thread count for the calling thread."""
+    settings = []
+    for setter in host_linalg.thread_local_setters():
+        current = setter(1)  # a setter returns the setting it replaces
+        setter(current)
+        settings.append(current)
+    return settings
+
+
+def test_one_blas_thread_sets_one_thread_and_sets_it_back():
+    """OpenBLAS's workers, once woken, spin for about 0.1 s and take a core from
+    XLA's threads: the refresh runs LAPACK on the calling thread alone."""
+    version = _scipy_openblas_version()
+    if version is not None and version >= (0, 3, 27):
+        assert host_linalg.thread_local_setters(), "SciPy's OpenBLAS was not found"
+    outside = _thread_settings()
+    with host_linalg.one_blas_thread():
+        assert _thread_settings() == [1] * len(outside)
+    assert _thread_settings() == outside
+    with pytest.raises(RuntimeError, match="inside"):
+        with host_linalg.one_blas_thread():
+            raise RuntimeError("inside")
+    assert _thread_settings() == outside
+
+
+def test_the_host_refresh_runs_inside_one_blas_thread(monkeypatch):
+    entered = []
+    one_thread = host_linalg.one_blas_thread
+
+    @contextlib.contextmanager
+    def recording():
+        with one_thread():
+            entered.append(_thread_settings())
+            yield
+
+    monkeypatch.setattr(host_linalg, "one_blas_thread", recording)
+    factor = _psd(jr.key(13), 2, 5)
+    shift = jnp.array([0.1, 0.2], F64)
+    (got,) = _jitted(True)([factor], [shift])
+    np.testing.assert_allclose(got[1], _dense_inverse(factor[1], 0.2), rtol=1e-10)
+    assert entered == [[1] * len(host_linalg.thread_local_setters())]
