@@ -7,14 +7,15 @@ written in XLA (a batched Cholesky per size class, each with its
 eigendecomposition fallback under a `lax.cond`) took a fifth to a third of a
 K-FAC training step's first-call compile, and ran about as fast: it is the same
 LAPACK (benchmarks/RESULTS.md, "Issue 26, eighth session"). The callback runs
-LAPACK on its own thread only (`one_blas_thread`), so that no OpenBLAS worker is
-left spinning beside XLA's threads after it."""
+LAPACK on one thread (`one_blas_thread`), so that no OpenBLAS worker is left
+spinning beside XLA's threads after it."""
 
 import contextlib
 import ctypes
 import functools
 import glob
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
@@ -104,10 +105,11 @@ def _numpy_inverse(
 # multithreaded call before they sleep. On a CPU with few cores, a worker left
 # spinning by the refresh takes a core from XLA's own threads for the next steps:
 # on the 2-core machine of benchmarks/RESULTS.md a K-FAC step of the CNN that
-# follows a refresh took 9-12 ms instead of 7, a refresh step 45 ms instead of
-# 34 (benchmarks/RESULTS.md, "Issue 26, fourteenth session"). So the refresh runs
-# its LAPACK on the calling thread alone (OpenBLAS >= 0.3.27's thread-local
-# setting: other threads' BLAS is untouched).
+# follows a refresh took 9-12 ms instead of 7 (benchmarks/RESULTS.md, "Issue 26,
+# fourteenth session"). So the refresh runs its LAPACK on one thread, by OpenBLAS's
+# `openblas_set_num_threads_local` (0.3.27 on): a variable each BLAS call reads,
+# process-wide in OpenBLAS's pthreads builds, so it is set while any callback is
+# inside `one_blas_thread` and set back when the last one leaves.
 _LOCAL_SETTER = "openblas_set_num_threads_local"
 
 
@@ -129,7 +131,8 @@ def _openblas_paths() -> set[str]:
 
 @functools.cache
 def thread_local_setters() -> tuple[Callable[[int], int], ...]:
-    """`openblas_set_num_threads_local` of each OpenBLAS found that has it."""
+    """`openblas_set_num_threads_local` of each OpenBLAS found that has it; each
+    returns the setting it replaces."""
     setters = []
     for path in sorted(_openblas_paths()):
         try:
@@ -141,14 +144,30 @@ def thread_local_setters() -> tuple[Callable[[int], int], ...]:
     return tuple(setters)
 
 
+class _OneThread:
+    """How many callers are inside `one_blas_thread`, and the settings the first
+    of them replaced."""
+
+    lock = threading.Lock()
+    inside = 0
+    replaced: list[int] = []
+
+
 @contextlib.contextmanager
 def one_blas_thread() -> Iterator[None]:
-    """OpenBLAS on the calling thread alone inside the block (each OpenBLAS
-    loaded, where it has a thread-local setting; else nothing changes)."""
+    """OpenBLAS on one thread inside the block (each OpenBLAS loaded that has
+    `openblas_set_num_threads_local`; else nothing changes), its setting back
+    when the last caller inside leaves."""
     setters = thread_local_setters()
-    before = [setter(1) for setter in setters]
+    with _OneThread.lock:
+        if _OneThread.inside == 0:
+            _OneThread.replaced = [setter(1) for setter in setters]
+        _OneThread.inside += 1
     try:
         yield
     finally:
-        for setter, n in zip(setters, before):
-            setter(n)
+        with _OneThread.lock:
+            _OneThread.inside -= 1
+            if _OneThread.inside == 0:
+                for setter, n in zip(setters, _OneThread.replaced):
+                    setter(n)

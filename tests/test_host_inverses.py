@@ -10,6 +10,7 @@ and a K-FAC run taking the same steps either way.
 
 import contextlib
 import re
+import threading
 
 import equinox as eqx
 import jax
@@ -204,7 +205,7 @@ def _scipy_openblas_version() -> tuple[int, ...] | None:
 
 
 def _thread_settings() -> list[int]:
-    """Each loaded OpenBLAS's thread count for the calling thread."""
+    """Each loaded OpenBLAS's thread setting (`openblas_set_num_threads_local`)."""
     settings = []
     for setter in host_linalg.thread_local_setters():
         current = setter(1)  # a setter returns the setting it replaces
@@ -215,17 +216,43 @@ def _thread_settings() -> list[int]:
 
 def test_one_blas_thread_sets_one_thread_and_sets_it_back():
     """OpenBLAS's workers, once woken, spin for about 0.1 s and take a core from
-    XLA's threads: the refresh runs LAPACK on the calling thread alone."""
+    XLA's threads: the refresh runs LAPACK on one thread."""
     version = _scipy_openblas_version()
     if version is not None and version >= (0, 3, 27):
         assert host_linalg.thread_local_setters(), "SciPy's OpenBLAS was not found"
     outside = _thread_settings()
+    one = [1] * len(outside)
     with host_linalg.one_blas_thread():
-        assert _thread_settings() == [1] * len(outside)
+        assert _thread_settings() == one
     assert _thread_settings() == outside
     with pytest.raises(RuntimeError, match="inside"):
         with host_linalg.one_blas_thread():
             raise RuntimeError("inside")
+    assert _thread_settings() == outside
+
+
+def test_one_blas_thread_sets_it_back_when_the_last_caller_leaves():
+    """The setting is process-wide in OpenBLAS's pthreads builds: callbacks on two
+    threads overlapping leave it as it was, whichever leaves first."""
+    outside = _thread_settings()
+    one = [1] * len(outside)
+    first_in, second_out = threading.Event(), threading.Event()
+    seen = []
+
+    def first():
+        with host_linalg.one_blas_thread():
+            first_in.set()
+            second_out.wait(timeout=10)
+            seen.append(_thread_settings())
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    first_in.wait(timeout=10)
+    with host_linalg.one_blas_thread():
+        assert _thread_settings() == one
+    second_out.set()
+    thread.join()
+    assert seen == [one]  # the second caller left, the first was still inside
     assert _thread_settings() == outside
 
 
