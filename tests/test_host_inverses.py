@@ -198,7 +198,8 @@ def _scipy_openblas_version() -> tuple[int, ...] | None:
     """The version of the OpenBLAS SciPy's LAPACK was built with, if it is one."""
     import scipy
 
-    lapack = scipy.show_config(mode="dicts")["Build Dependencies"]["lapack"]
+    config = scipy.show_config(mode="dicts") or {}
+    lapack = config.get("Build Dependencies", {}).get("lapack", {})
     if "openblas" not in lapack.get("name", "").lower():
         return None
     return tuple(int(n) for n in re.findall(r"\d+", lapack.get("version", ""))[:3])
