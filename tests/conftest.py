@@ -14,9 +14,35 @@ os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), *_FAST_COMPILE]
 ).strip()
 
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 import jaxtyping  # noqa: E402
 import pytest  # noqa: E402
+
+
+# JAX's persistent compilation cache, one directory for the run, shared by its
+# pytest-xdist workers: programs recur across modules (eager operations, shared
+# references and models; `_release_compiled_programs` drops them after each module)
+# and across workers, and a cached one is read back instead of compiled again. It
+# changes no result (an entry is the same executable, keyed by the program, the
+# compiler options and the jax version) and cuts the suite's time by about a tenth
+# (benchmarks/RESULTS.md, "Issue 26, fifteenth session"). The process that pytest
+# starts first makes the directory and removes it at the end (`pytest_unconfigure`);
+# the workers it starts inherit its path through the environment.
+_CACHE_VARIABLE = "EQFISHER_TESTS_JAX_CACHE"
+_OWN_CACHE = _CACHE_VARIABLE not in os.environ
+if _OWN_CACHE:
+    os.environ[_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="eqfisher-tests-jax-cache-")
+jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_VARIABLE])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE:
+        shutil.rmtree(os.environ.pop(_CACHE_VARIABLE), ignore_errors=True)
 
 
 # Eight CPU devices, for the data-parallel tests (tests/test_sharding.py); must be set
