@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.extend as jex
 import jaxlib.version
-from jax._src import traceback_util
+from jax._src import core as jax_core, traceback_util
 from jax.interpreters import ad, batching, mlir
 
 
@@ -20,8 +20,11 @@ Literal = jex.core.Literal
 Jaxpr = jex.core.Jaxpr
 ClosedJaxpr = jex.core.ClosedJaxpr
 Primitive = jex.core.Primitive
-# jax >= 0.10 warns when a Jaxpr is built without one; jax 0.9 has no public class.
-_DebugInfo = getattr(jex.core, "DebugInfo", None)
+# jax warns (a DeprecationWarning) when a Jaxpr is built without one; jax 0.9 has
+# the class only internally.
+_DebugInfo = getattr(jex.core, "DebugInfo", None) or getattr(
+    jax_core, "DebugInfo", None
+)
 JaxprEqn = jex.core.JaxprEqn
 
 

@@ -7,6 +7,8 @@ function whose parameters are known). Then the scan's operand groups, the bodies
 call-like equations (`jit`, `checkpoint`, custom derivatives), literals and dropped
 outputs."""
 
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -362,6 +364,15 @@ def test_eqn_evaluator_runs_one_equation():
     expected = _scan_fn(*SCAN_ARGS)
     for a, b in zip(out, jax.tree.leaves(expected)):
         np.testing.assert_allclose(a, b)
+
+
+def test_eqn_evaluator_builds_its_jaxpr_with_debug_info():
+    # Without one, jax (0.9 too) warns at every equation the tracer evaluates.
+    jaxpr = jax.make_jaxpr(_scan_fn)(*SCAN_ARGS).jaxpr
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _compat.eqn_evaluator(eqn)
 
 
 def test_shape_of_atoms():
