@@ -79,21 +79,39 @@ def _lapack(dtype: np.dtype) -> tuple:
     )
 
 
+# OpenBLAS's Cholesky and its inverse slow down on a matrix whose width is a
+# multiple of 128 from 256 on, by cache-set conflicts along its columns: one
+# thread, float32, 7.0 ms at 512 against 4.3 at 511 and 513, 45 against 26 ms at
+# 1024. Such a matrix is inverted as the leading block of one a row and a column
+# wider, `[[F + shift·I, 0], [0, 1]]`, whose inverse's leading block is
+# `(F + shift·I)⁻¹` exactly: 4.4 ms at 512, 27 ms at 1024 (benchmarks/RESULTS.md,
+# "Issue 26, sixteenth session").
+def padded_width(d: int) -> int:
+    """The width at which LAPACK inverts a `d × d` matrix."""
+    return d + 1 if d >= 256 and d % 128 == 0 else d
+
+
 def _numpy_inverse(
     factor: np.ndarray, shift: np.floating, eye: np.ndarray
 ) -> np.ndarray:
     if not np.all(np.isfinite(factor)):
         return np.full_like(factor, np.nan)
+    d = factor.shape[0]
+    shifted = factor + shift * eye
+    if padded_width(d) > d:
+        shifted, eye = np.eye(padded_width(d), dtype=factor.dtype), None
+        shifted[:d, :d] = factor + shift * np.eye(d, dtype=factor.dtype)
     potrf, potrs, potri = _lapack(factor.dtype)
-    chol, info = potrf(factor + shift * eye, lower=1, clean=1, overwrite_a=1)
+    chol, info = potrf(shifted, lower=1, clean=1, overwrite_a=1)
     if info == 0:
-        if factor.shape[0] < POTRI_MIN_DIM:
+        if d < POTRI_MIN_DIM:
+            eye = np.eye(len(chol), dtype=chol.dtype) if eye is None else eye
             inverse, info = potrs(chol, eye, lower=1)
         else:
             lower, info = potri(chol, lower=1, overwrite_c=1)
             inverse = lower + np.tril(lower, -1).T
         if info == 0 and np.all(np.isfinite(inverse)):
-            return inverse
+            return inverse[:d, :d]
     try:
         values, vectors = np.linalg.eigh(factor)
     except np.linalg.LinAlgError:  # did not converge
