@@ -97,15 +97,16 @@ def _numpy_inverse(
     if not np.all(np.isfinite(factor)):
         return np.full_like(factor, np.nan)
     d = factor.shape[0]
-    shifted = factor + shift * eye
     if padded_width(d) > d:
-        shifted, eye = np.eye(padded_width(d), dtype=factor.dtype), None
-        shifted[:d, :d] = factor + shift * np.eye(d, dtype=factor.dtype)
+        eye = np.eye(padded_width(d), dtype=factor.dtype)
+        shifted = eye.copy()
+        shifted[:d, :d] = factor + shift * eye[:d, :d]
+    else:
+        shifted = factor + shift * eye
     potrf, potrs, potri = _lapack(factor.dtype)
     chol, info = potrf(shifted, lower=1, clean=1, overwrite_a=1)
     if info == 0:
         if d < POTRI_MIN_DIM:
-            eye = np.eye(len(chol), dtype=chol.dtype) if eye is None else eye
             inverse, info = potrs(chol, eye, lower=1)
         else:
             lower, info = potri(chol, lower=1, overwrite_c=1)
