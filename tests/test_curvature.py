@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 
 import eqfisher as ef
+from eqfisher._curvature import statistics
 
+from . import kfac_reference
 from .helpers import (
     block_slices,
     dense_empirical_fisher,
@@ -389,6 +391,34 @@ def test_kfac_factors_by_hand(loss, estimator):
         assert_close(block.a, a)
         assert_close(block.g, g)
         assert_close(block.as_matrix(), np.kron(g, a)[_vec_order(name)])
+
+
+@pytest.mark.parametrize("n", [3, 40], ids=["few-rows", "many-rows"])
+def test_input_factor_with_bias_from_few_rows_and_from_many(n):
+    """A = mean ã ãᵀ, ã = [a; 1], is formed one way from few rows (the rows
+    joined with a column of ones: 3 rows of 3 and of 6 inputs) and another from
+    many (Σ a aᵀ joined with its bias row and column: 40 rows): both equal the
+    dense float64 reference, and so do G and the block."""
+    model = eqx.nn.MLP(3, 4, 6, 1, activation=jnp.tanh, dtype=F64, key=jr.key(21))
+    kx, ky = jr.split(jr.key(22))
+    x, y = jr.normal(kx, (n, 3), F64), jr.randint(ky, (n,), 0, 4)
+    few = [n <= statistics.JOIN_ROWS_PER_COLUMN * (d + 1) for d in (3, 6)]
+    assert few == [n == 3] * 2
+    curv = ef.curvature(
+        lambda m, b: ef.softmax_cross_entropy(jax.vmap(m)(b[0]), b[1]),
+        model,
+        (x, y),
+        estimator=ef.GGN(),
+        structure=ef.KFAC(),
+    )
+    for k in (0, 1):
+        a, g = kfac_reference.kfac_factors(model, x, y, k)
+        block = curv.blocks[f"layers[{k}]"]
+        np.testing.assert_allclose(block.a, a, **TOL)
+        np.testing.assert_allclose(block.g, g, **TOL)
+        np.testing.assert_allclose(
+            block.as_matrix(), kfac_reference.kronecker_dense(a, g), **TOL
+        )
 
 
 def _vec_order(name: str):

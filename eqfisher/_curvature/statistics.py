@@ -62,10 +62,11 @@ class AbstractLayerInputs(eqx.Module):
         reduce_examples: int | None,
         dtype,
         diagonal: bool,
-    ) -> tuple[Float[Array, "d d"] | Float[Array, " d"], Float[Array, " d"], int]:
-        """`(Σ a aᵀ, Σ a, rows)` over the layer's input rows `a` (each example's
-        mean row with `reduce_examples`); with `diagonal`, only the diagonal of
-        Σ a aᵀ, as a vector."""
+        with_bias: bool,
+    ) -> tuple[Float[Array, "d d"] | Float[Array, " d"], int]:
+        """`(Σ ã ãᵀ, rows)` over the layer's input rows `a` (each example's mean
+        row with `reduce_examples`), `ã = [a; 1]` with `with_bias` and `a`
+        without; with `diagonal`, only the diagonal of Σ ã ãᵀ, as a vector."""
 
     @abc.abstractmethod
     def stacked(self, record: LayerRecord) -> LayerRecord | None:
@@ -95,18 +96,42 @@ def _mean_rows(a: Array, reduce_examples: int | None) -> Array:
     return a.reshape(reduce_examples, -1, a.shape[-1]).mean(1)
 
 
-def _moments_of(a: Array, diagonal: bool) -> tuple[Array, Array, int]:
+def _joined(second: Array, sums: Array, rows: int, diagonal: bool) -> Array:
+    """Σ ã ãᵀ (or its diagonal) of `ã = [a; 1]` from Σ a aᵀ (or its diagonal),
+    Σ a and the number of rows, in blocks: the rows are not copied."""
+    ones = jnp.full((1,), rows, second.dtype)
+    if diagonal:
+        return jnp.concatenate([second, ones])
+    return jnp.block([[second, sums[:, None]], [sums[None, :], ones[None]]])
+
+
+# Σ ã ãᵀ over few rows takes less time as the product of the rows joined with a
+# column of ones than as Σ a aᵀ joined with its bias row and column, a copy of the
+# (d + 1)² result: 3.4 against 4.5 ms for 256 rows of 1024, 7.1 against 7.9 ms
+# for 2048 rows of 512; over many rows, more: 2.2 against 1.5 ms for 16384 rows
+# of 72 (float32, 2 cores; benchmarks/RESULTS.md, "Issue 26, sixteenth session").
+JOIN_ROWS_PER_COLUMN = 4
+
+
+def _moments_of(a: Array, diagonal: bool, with_bias: bool) -> tuple[Array, int]:
+    rows, d = a.shape
+    if with_bias and not diagonal and rows <= JOIN_ROWS_PER_COLUMN * (d + 1):
+        joined = jnp.concatenate([a, jnp.ones((rows, 1), a.dtype)], axis=1)
+        return joined.T @ joined, rows
     second = jnp.sum(a**2, axis=0) if diagonal else a.T @ a
-    return second, jnp.sum(a, axis=0), a.shape[0]
+    if with_bias:
+        second = _joined(second, jnp.sum(a, axis=0), rows, diagonal)
+    return second, rows
 
 
 class _DenseInputs(AbstractLayerInputs):
     def unsupported(self, record):
         return None
 
-    def moments(self, record, x, reduce_examples, dtype, diagonal):
+    def moments(self, record, x, reduce_examples, dtype, diagonal, with_bias):
         a = jnp.transpose(x, record.in_order).reshape(-1, record.d_in)
-        return _moments_of(_mean_rows(a.astype(dtype), reduce_examples), diagonal)
+        a = _mean_rows(a.astype(dtype), reduce_examples)
+        return _moments_of(a, diagonal, with_bias)
 
     def stacked(self, record):
         order = (0,) + tuple(1 + i for i in record.in_order)
@@ -150,11 +175,16 @@ class _ConvInputs(AbstractLayerInputs):
             )
         return None
 
-    def moments(self, record, x, reduce_examples, dtype, diagonal):
+    def moments(self, record, x, reduce_examples, dtype, diagonal, with_bias):
         if _patches_too_large(record):
-            return _chunked_patches(record, x, reduce_examples, diagonal)
+            second, sums, rows = _chunked_patches(
+                record, x, reduce_examples, diagonal
+            )
+            if with_bias:
+                second = _joined(second, sums, rows, diagonal)
+            return second, rows
         a = _patches(record, x).astype(dtype)
-        return _moments_of(_mean_rows(a, reduce_examples), diagonal)
+        return _moments_of(_mean_rows(a, reduce_examples), diagonal, with_bias)
 
     # Its rows are patches of each step's input, formed before any averaging.
     def stacked(self, record):
@@ -175,10 +205,13 @@ class _EmbeddingInputs(AbstractLayerInputs):
     def unsupported(self, record):
         return None
 
-    def moments(self, record, x, reduce_examples, dtype, diagonal):
+    def moments(self, record, x, reduce_examples, dtype, diagonal, with_bias):
         ids = x[..., record.in_order[0]].reshape(-1)
         counts = jnp.zeros((record.d_in,), dtype).at[ids].add(1)
-        return counts if diagonal else jnp.diag(counts), counts, ids.shape[0]
+        second = counts if diagonal else jnp.diag(counts)
+        if with_bias:
+            second = _joined(second, counts, ids.shape[0], diagonal)
+        return second, ids.shape[0]
 
     # The row ids `x[..., c]` are read alike under any leading axes; ids are not
     # averaged.
@@ -279,17 +312,14 @@ def _input_factor(
     """A = mean over locations of ã ãᵀ, and the number of rows it averages."""
     inexact = jnp.issubdtype(x.dtype, jnp.inexact)
     diagonal = _too_large(record.d_in + with_bias, max_factor_dim)
-    aa, s, n = layer_inputs(record.kind).moments(
-        record, x, reduce_examples, stat_dtype(x.dtype) if inexact else dtype, diagonal
+    aa, n = layer_inputs(record.kind).moments(
+        record,
+        x,
+        reduce_examples,
+        stat_dtype(x.dtype) if inexact else dtype,
+        diagonal,
+        with_bias,
     )
-    if with_bias:
-        # [a; 1] blocks, without copying `a` into a wider matrix, divided by n
-        # after they are joined: one kernel for the blocks and the division.
-        rows = jnp.full((1,), n, aa.dtype)
-        if diagonal:
-            aa = jnp.concatenate([aa, rows])
-        else:
-            aa = jnp.block([[aa, s[:, None]], [s[None, :], rows[None]]])
     return (aa / n).astype(dtype), n
 
 
