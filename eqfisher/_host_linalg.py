@@ -66,9 +66,9 @@ def _numpy_inverses_here(factors, shifts) -> list[np.ndarray]:
         work = np.dtype(np.float64 if stack.dtype == np.float64 else np.float32)
         eye = np.eye(stack.shape[-1], dtype=work)
         inverses = np.empty(stack.shape, work)
-        for i, (f, s) in enumerate(zip(stack.astype(work), shift.astype(work))):
-            inverses[i] = _numpy_inverse(f, s, eye)
-        out.append(inverses.astype(stack.dtype))
+        for i, (f, s) in enumerate(zip(stack.astype(work, copy=False), shift)):
+            inverses[i] = _numpy_inverse(f, s.astype(work), eye)
+        out.append(inverses.astype(stack.dtype, copy=False))
     return out
 
 
@@ -100,17 +100,21 @@ def _numpy_inverse(
     if padded_width(d) > d:
         eye = np.eye(padded_width(d), dtype=factor.dtype)
         shifted = eye.copy()
-        shifted[:d, :d] = factor + shift * eye[:d, :d]
+        shifted[:d, :d] = factor
     else:
-        shifted = factor + shift * eye
+        shifted = factor.copy()
+    shifted[np.arange(d), np.arange(d)] += shift
     potrf, potrs, potri = _lapack(factor.dtype)
     chol, info = potrf(shifted, lower=1, clean=1, overwrite_a=1)
     if info == 0:
         if d < POTRI_MIN_DIM:
             inverse, info = potrs(chol, eye, lower=1)
         else:
+            # `clean=1` left zeros above the diagonal, which `potri` keeps.
             lower, info = potri(chol, lower=1, overwrite_c=1)
-            inverse = lower + np.tril(lower, -1).T
+            diagonal = lower.diagonal().copy()
+            inverse = lower + lower.T
+            np.fill_diagonal(inverse, diagonal)
         if info == 0 and np.all(np.isfinite(inverse)):
             return inverse[:d, :d]
     try:

@@ -107,14 +107,16 @@ def test_half_precision_factors_are_inverted_in_float32(dtype, on_host):
         np.testing.assert_allclose(np.asarray(inv, np.float32), want, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("d", [255, 256, 512], ids=["255", "256-potrs", "512-potri"])
-def test_widths_that_are_multiples_of_128_are_inverted_padded(d, monkeypatch):
+def test_widths_that_are_multiples_of_128_are_inverted_padded(d, dtype, monkeypatch):
     """From 256 on, a width that is a multiple of 128 is inverted inside one a row
     and a column wider (LAPACK is slower at such widths): the leading block of the
-    wider inverse is the inverse itself, through `potrs` (256) and `potri` (512),
-    and an indefinite factor still falls back to the clamped eigendecomposition."""
+    wider inverse is the inverse itself, through `potrs` (256) and `potri` (512,
+    its lower triangle mirrored), and an indefinite factor still falls back to the
+    clamped eigendecomposition."""
     widths = []
-    potrf, potrs, potri = host_linalg._lapack(np.dtype(np.float64))
+    potrf, potrs, potri = host_linalg._lapack(np.dtype(dtype))
 
     def spied(a, **kwargs):
         widths.append(a.shape[0])
@@ -123,11 +125,13 @@ def test_widths_that_are_multiples_of_128_are_inverted_padded(d, monkeypatch):
     monkeypatch.setattr(host_linalg, "_lapack", lambda dtype: (spied, potrs, potri))
     factor = _psd(jr.key(13), 2, d).at[1].add(-3 * jnp.eye(d, dtype=F64))
     shift = jnp.array([0.1, 0.2], F64)
-    (got,) = host_linalg.shifted_inverses([factor], shift)
+    (got,) = host_linalg.shifted_inverses([factor.astype(dtype)], shift.astype(dtype))
+    assert got.dtype == dtype
     assert widths == [host_linalg.padded_width(d)] * 2
     assert host_linalg.padded_width(d) == (d if d == 255 else d + 1)
+    tol = {"rtol": 1e-9, "atol": 1e-12} if dtype == np.float64 else {"atol": 2e-5}
     for f, s, inv in zip(factor, shift, got):
-        np.testing.assert_allclose(inv, _dense_inverse(f, s), rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(inv, _dense_inverse(f, s), **tol)
 
 
 def test_a_nonfinite_factor_gives_nan_on_the_host():

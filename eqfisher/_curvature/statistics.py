@@ -177,9 +177,7 @@ class _ConvInputs(AbstractLayerInputs):
 
     def moments(self, record, x, reduce_examples, dtype, diagonal, with_bias):
         if _patches_too_large(record):
-            second, sums, rows = _chunked_patches(
-                record, x, reduce_examples, diagonal
-            )
+            second, sums, rows = _chunked_patches(record, x, reduce_examples, diagonal)
             if with_bias:
                 second = _joined(second, sums, rows, diagonal)
             return second, rows
