@@ -24,11 +24,12 @@ import scipy.linalg
 from jaxtyping import Array
 
 
-# LAPACK's inverse from a Cholesky factor (`potri`, then the upper triangle
+# LAPACK's inverse from a Cholesky factor (`potri`, then the lower triangle
 # mirrored) takes less time than two triangular solves with the identity (`potrs`)
-# from this size on; below it, more (0.20 against 0.16 ms at 129, 2.9 against 3.9
-# ms at 513, float32).
-POTRI_MIN_DIM = 384
+# from this width on; below it, more. One thread: float32 0.23 against 0.16 ms at
+# 129, 2.09 against 2.07 at 385; float64 0.28 against 0.31 ms at 129, 1.35
+# against 1.73 at 257 (benchmarks/RESULTS.md, "Issue 26, sixteenth session").
+POTRI_MIN_DIM = {np.dtype(np.float32): 384, np.dtype(np.float64): 128}
 
 
 def use_host(on_host: bool | None) -> bool:
@@ -107,7 +108,7 @@ def _numpy_inverse(
     potrf, potrs, potri = _lapack(factor.dtype)
     chol, info = potrf(shifted, lower=1, clean=1, overwrite_a=1)
     if info == 0:
-        if d < POTRI_MIN_DIM:
+        if d < POTRI_MIN_DIM[factor.dtype]:
             inverse, info = potrs(chol, eye, lower=1)
         else:
             # `clean=1` left zeros above the diagonal, which `potri` keeps.

@@ -108,26 +108,35 @@ def test_half_precision_factors_are_inverted_in_float32(dtype, on_host):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("d", [255, 256, 512], ids=["255", "256-potrs", "512-potri"])
+@pytest.mark.parametrize("d", [255, 256, 512])
 def test_widths_that_are_multiples_of_128_are_inverted_padded(d, dtype, monkeypatch):
     """From 256 on, a width that is a multiple of 128 is inverted inside one a row
     and a column wider (LAPACK is slower at such widths): the leading block of the
-    wider inverse is the inverse itself, through `potrs` (256) and `potri` (512,
-    its lower triangle mirrored), and an indefinite factor still falls back to the
-    clamped eigendecomposition."""
-    widths = []
-    potrf, potrs, potri = host_linalg._lapack(np.dtype(dtype))
+    wider inverse is the inverse itself, through `potrs` (float32 at 256) and
+    `potri` (float64, and float32 at 512: its lower triangle mirrored), and an
+    indefinite factor still falls back to the clamped eigendecomposition."""
+    widths, lapack = [], host_linalg._lapack
 
-    def spied(a, **kwargs):
-        widths.append(a.shape[0])
-        return potrf(a, **kwargs)
+    def spied_lapack(dtype):
+        potrf, potrs, potri = lapack(dtype)
 
-    monkeypatch.setattr(host_linalg, "_lapack", lambda dtype: (spied, potrs, potri))
+        def spied(a, **kwargs):
+            widths.append((threading.get_ident(), a.shape[0]))
+            return potrf(a, **kwargs)
+
+        return spied, potrs, potri
+
+    # Called here, not through a callback, so that this thread's calls are told
+    # apart from any other test's still running.
+    monkeypatch.setattr(host_linalg, "_lapack", spied_lapack)
     factor = _psd(jr.key(13), 2, d).at[1].add(-3 * jnp.eye(d, dtype=F64))
     shift = jnp.array([0.1, 0.2], F64)
-    (got,) = host_linalg.shifted_inverses([factor.astype(dtype)], shift.astype(dtype))
+    (got,) = host_linalg._numpy_inverses(
+        [np.asarray(factor, dtype)], np.asarray(shift, dtype)
+    )
     assert got.dtype == dtype
-    assert widths == [host_linalg.padded_width(d)] * 2
+    here = [w for thread, w in widths if thread == threading.get_ident()]
+    assert here == [host_linalg.padded_width(d)] * 2
     assert host_linalg.padded_width(d) == (d if d == 255 else d + 1)
     tol = {"rtol": 1e-9, "atol": 1e-12} if dtype == np.float64 else {"atol": 2e-5}
     for f, s, inv in zip(factor, shift, got):

@@ -400,8 +400,8 @@ def test_batched_pi_damped_inverse_falls_back_per_step(eigh_max_dim, monkeypatch
 @pytest.mark.parametrize("on_host", [True, False], ids=["host", "xla"])
 def test_shifted_inverses_by_size_class_equal_the_clamped_inverses(on_host):
     """`kronecker.shifted_inverses` inverts stacks of matrix factors: on the host
-    (the CPU's default: `potrs` below `POTRI_MIN_DIM`, `potri` for the 400), or in
-    XLA by size class, each padded with an identity block to its class's size (100
+    (the CPU's default; in float64 by `potrs` below `POTRI_MIN_DIM`, 128, and by
+    `potri` for the 300 and the 400), or in XLA by size class, each padded with an identity block to its class's size (100
     and a stack of two 70s by Cholesky, 9 and 5 by eigendecomposition; 300 and 400
     above `PAD_MAX_DIM` alone). An indefinite one is inverted by the clamped
     eigendecomposition (a 70: Cholesky's fallback), a diagonal one elementwise:
