@@ -107,7 +107,7 @@ def _joined(second: Array, sums: Array, rows: int, diagonal: bool) -> Array:
 
 # Σ ã ãᵀ over few rows takes less time as the product of the rows joined with a
 # column of ones than as Σ a aᵀ joined with its bias row and column, a copy of the
-# (d + 1)² result: 3.4 against 4.5 ms for 256 rows of 1024, 7.1 against 7.9 ms
+# (d + 1)² result: 3.4 against 4.6 ms for 256 rows of 1024, 7.1 against 7.9 ms
 # for 2048 rows of 512; over many rows, more: 2.2 against 1.5 ms for 16384 rows
 # of 72 (float32, 2 cores; benchmarks/RESULTS.md, "Issue 26, sixteenth session").
 JOIN_ROWS_PER_COLUMN = 4
