@@ -7,14 +7,17 @@ minor versions. It exists so that tests and benchmarks need no private module
 
 from ._cli import main as main  # the `eqfisher` console script, with its argv
 from ._curvature import (
+    JOIN_ROWS_PER_COLUMN as JOIN_ROWS_PER_COLUMN,
     conv_patches as conv_patches,
     kronecker_factors as kronecker_factors,
+    layer_inputs as layer_inputs,
     layer_outputs_vjp as layer_outputs_vjp,
     per_example_taps as per_example_taps,
     pooled_factors as pooled_factors,
 )
 from ._tracer import (
     MIXED as MIXED,
+    AbstractLayerKind as AbstractLayerKind,
     LayerRecord as LayerRecord,
     LossProgram as LossProgram,
     Split as Split,

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import eqfisher as ef
-from eqfisher._curvature import statistics
+from eqfisher.internal import JOIN_ROWS_PER_COLUMN, AbstractLayerKind, layer_inputs
 
 from . import kfac_reference
 from .helpers import (
@@ -402,7 +402,7 @@ def test_input_factor_with_bias_from_few_rows_and_from_many(n):
     model = eqx.nn.MLP(3, 4, 6, 1, activation=jnp.tanh, dtype=F64, key=jr.key(21))
     kx, ky = jr.split(jr.key(22))
     x, y = jr.normal(kx, (n, 3), F64), jr.randint(ky, (n,), 0, 4)
-    few = [n <= statistics.JOIN_ROWS_PER_COLUMN * (d + 1) for d in (3, 6)]
+    few = [n <= JOIN_ROWS_PER_COLUMN * (d + 1) for d in (3, 6)]
     assert few == [n == 3] * 2
     curv = ef.curvature(
         lambda m, b: ef.softmax_cross_entropy(jax.vmap(m)(b[0]), b[1]),
@@ -419,6 +419,24 @@ def test_input_factor_with_bias_from_few_rows_and_from_many(n):
         np.testing.assert_allclose(
             block.as_matrix(), kfac_reference.kronecker_dense(a, g), **TOL
         )
+
+
+class _KindWithoutStatistics(AbstractLayerKind):
+    name = "dense"
+    takes_bias = True
+    tieable = True
+    elementwise = False
+
+
+def test_a_layer_kind_without_input_statistics_is_refused_by_name():
+    """A layer kind with no registered input statistics is a `TypeError` that
+    names the kind and the registration that fixes it."""
+    with pytest.raises(
+        TypeError,
+        match=r"`layer_inputs\(kind\)`.*`_KindWithoutStatistics`.*"
+        r"layer_inputs\.register\(_KindWithoutStatistics\)",
+    ):
+        layer_inputs(_KindWithoutStatistics())
 
 
 def _vec_order(name: str):

@@ -10,11 +10,10 @@ relate inside `loss_fn`).
 
 The data path: `functions` (`curvature`, `value_grad_and_curvature`) → `builder`
 (checks the arguments, selects and groups the parameters as the structure asks,
-and gathers each group's statistics) → `statistics` (K-FAC factors from one
-forward and a stacked VJP; `patches` forms a convolution's input patches) and
-`per_example` (exact per-example vectors) → the structure's blocks
-(`eqfisher.blocks`) → `operator` (`Curvature`). `memory` estimates the bytes of
-the blocks from shapes alone.
+and gathers each group's statistics) → `statistics/` (K-FAC factors from one
+forward and a stacked VJP) and `per_example` (exact per-example vectors) → the
+structure's blocks (`eqfisher.blocks`) → `operator` (`Curvature`). `memory`
+estimates the bytes of the blocks from shapes alone.
 
 This face re-exports what the rest of eqfisher uses.
 """
@@ -42,9 +41,11 @@ from .memory import (
     memory_estimate as memory_estimate,
 )
 from .operator import Curvature as Curvature, leaf_shapes as leaf_shapes
-from .patches import conv_patches as conv_patches
 from .statistics import (
+    JOIN_ROWS_PER_COLUMN as JOIN_ROWS_PER_COLUMN,
+    conv_patches as conv_patches,
     kronecker_factors as kronecker_factors,
+    layer_inputs as layer_inputs,
     layer_outputs_vjp as layer_outputs_vjp,
     per_example_taps as per_example_taps,
     pooled_factors as pooled_factors,

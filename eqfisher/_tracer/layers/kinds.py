@@ -3,7 +3,7 @@ the matchers of `candidates` produce.
 
 A kind carries what layer detection and the per-example rows need to know of it,
 as class attributes. The curvature statistics of each kind (K-FAC's input factor)
-are found from its type in `_curvature/statistics.py`, by
+are found from its type in `_curvature/statistics/inputs.py`, by
 `functools.singledispatch`: the tracer does not import the curvature code.
 """
 
