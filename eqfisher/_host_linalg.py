@@ -8,8 +8,10 @@ eigendecomposition fallback under a `lax.cond`) took a fifth to a third of a
 K-FAC training step's first-call compile, and ran about as fast: it is the same
 LAPACK (benchmarks/RESULTS.md, "Issue 26, eighth session"). The callback runs
 LAPACK on one thread (`one_blas_thread`), so that no OpenBLAS worker is left
-spinning beside XLA's threads after it."""
+spinning beside XLA's threads after it, and inverts its wide matrices on worker
+threads at once (`_run`), calling LAPACK without the GIL (`Lapack`)."""
 
+import concurrent.futures
 import contextlib
 import ctypes
 import functools
@@ -21,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 import jax
 import numpy as np
 import scipy.linalg
+import scipy.linalg.cython_lapack
 from jaxtyping import Array
 
 
@@ -59,25 +62,142 @@ def _numpy_inverses(factors, shifts) -> list[np.ndarray]:
 
 
 def _numpy_inverses_here(factors, shifts) -> list[np.ndarray]:
-    out, shifts = [], np.asarray(shifts)
+    shifts = np.asarray(shifts)
     ends = np.cumsum([np.shape(stack)[0] for stack in factors])
+    out, jobs = [], []
     for stack, shift in zip(factors, np.split(shifts, ends[:-1])):
         stack = np.asarray(stack)
         # Half precisions are inverted in float32 (LAPACK has none below it).
         work = np.dtype(np.float64 if stack.dtype == np.float64 else np.float32)
-        eye = np.eye(stack.shape[-1], dtype=work)
         inverses = np.empty(stack.shape, work)
         for i, (f, s) in enumerate(zip(stack.astype(work, copy=False), shift)):
-            inverses[i] = _numpy_inverse(f, s.astype(work), eye)
-        out.append(inverses.astype(stack.dtype, copy=False))
-    return out
+            job = functools.partial(_invert_into, inverses[i], f, s.astype(work))
+            jobs.append(job)
+        out.append((inverses, stack.dtype))
+    _run(jobs, [np.shape(stack)[-1] for stack in factors for _ in stack])
+    return [inverses.astype(dtype, copy=False) for inverses, dtype in out]
+
+
+def _invert_into(out: np.ndarray, factor: np.ndarray, shift: np.floating) -> None:
+    out[...] = _numpy_inverse(factor, shift)
+
+
+# Where at least two matrices are this wide, the refresh inverts them at once on
+# worker threads, LAPACK on one thread each, called without the GIL. Two matrices,
+# one thread against two (median of 30, 2 cores): float32 1.92 against 1.55 ms at
+# 256, 0.82 against 0.90 at 192; float64 7.2 against 4.6 ms at 384, 3.1 at 256
+# either way (benchmarks/RESULTS.md, "Issue 26, seventeenth session").
+PARALLEL_MIN_DIM = 256
+
+
+class _Pool:
+    """The refresh's worker threads, made at first use (and again in a forked
+    child, which has none of its parent's threads)."""
+
+    lock = threading.Lock()
+    executor: concurrent.futures.ThreadPoolExecutor | None = None
+    pid = 0
+
+
+def _run(jobs: Sequence[Callable[[], None]], widths: Sequence[int]) -> None:
+    """Runs the jobs (inverses of matrices `widths` wide), widest first, on worker
+    threads where at least two are `PARALLEL_MIN_DIM` wide and this process may run
+    on more than one core; else one after another here."""
+    order = sorted(range(len(jobs)), key=lambda i: -widths[i])
+    wide = sum(w >= PARALLEL_MIN_DIM for w in widths)
+    if min(wide, _cores()) < 2:
+        for i in order:
+            jobs[i]()
+        return
+    with _Pool.lock:
+        if _Pool.executor is None or _Pool.pid != os.getpid():
+            _Pool.executor = concurrent.futures.ThreadPoolExecutor(
+                _cores(), thread_name_prefix="eqfisher-refresh"
+            )
+            _Pool.pid = os.getpid()
+        executor = _Pool.executor
+    for future in [executor.submit(jobs[i]) for i in order]:
+        future.result()
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _cython_lapack(name: str, arguments: int) -> Callable:
+    """SciPy's LAPACK function `name` (`scipy.linalg.cython_lapack`, all `arguments`
+    pointers), called through ctypes, which releases the GIL while it runs (SciPy's
+    Python wrappers hold it, so two threads would take turns)."""
+    capsule = scipy.linalg.cython_lapack.__pyx_capi__[name]  # pyright: ignore[reportAttributeAccessIssue]
+    address = _capsule_pointer(capsule, _capsule_name(capsule))
+    return ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * arguments)(address)
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_name.restype = ctypes.c_char_p
+_capsule_name.argtypes = [ctypes.py_object]
+
+# LAPACK reads a matrix by columns and NumPy by rows: LAPACK's upper triangle of a
+# C-ordered matrix is NumPy's lower one.
+_UPPER = ctypes.c_char(b"U")
+
+
+def _data(a: np.ndarray) -> ctypes.c_void_p:
+    if not a.flags.c_contiguous:
+        raise ValueError("LAPACK is called on C-ordered matrices only")
+    return ctypes.c_void_p(a.ctypes.data)
+
+
+class Lapack:
+    """Cholesky's LAPACK routines for one dtype, in place on C-ordered square
+    arrays, each returning LAPACK's `info` (0 when it succeeded); the triangle
+    read and written is NumPy's lower one."""
+
+    def __init__(self, dtype: np.dtype):
+        prefix = "d" if dtype == np.float64 else "s"
+        self._potrf = _cython_lapack(prefix + "potrf", 5)
+        self._potrs = _cython_lapack(prefix + "potrs", 8)
+        self._potri = _cython_lapack(prefix + "potri", 5)
+
+    def potrf(self, a: np.ndarray) -> int:
+        """`a`'s lower triangle becomes L, `a = L Lᵀ`."""
+        n, info, ref = ctypes.c_int(a.shape[0]), ctypes.c_int(0), ctypes.byref
+        self._potrf(ref(_UPPER), ref(n), _data(a), ref(n), ref(info))
+        return info.value
+
+    def potrs(self, chol: np.ndarray, b: np.ndarray) -> int:
+        """`b` becomes `b (L Lᵀ)⁻¹`, L the lower triangle of `chol` (LAPACK solves
+        for the columns of `bᵀ`, its rows)."""
+        n, info, ref = ctypes.c_int(chol.shape[0]), ctypes.c_int(0), ctypes.byref
+        self._potrs(
+            ref(_UPPER),
+            ref(n),
+            ref(n),
+            _data(chol),
+            ref(n),
+            _data(b),
+            ref(n),
+            ref(info),
+        )
+        return info.value
+
+    def potri(self, chol: np.ndarray) -> int:
+        """`chol`'s lower triangle, L, becomes that of `(L Lᵀ)⁻¹`."""
+        n, info, ref = ctypes.c_int(chol.shape[0]), ctypes.c_int(0), ctypes.byref
+        self._potri(ref(_UPPER), ref(n), _data(chol), ref(n), ref(info))
+        return info.value
 
 
 @functools.cache
-def _lapack(dtype: np.dtype) -> tuple:
-    return tuple(
-        scipy.linalg.get_lapack_funcs(("potrf", "potrs", "potri"), dtype=dtype)
-    )
+def _lapack(dtype: np.dtype) -> Lapack:
+    return Lapack(dtype)
 
 
 # OpenBLAS's Cholesky and its inverse slow down on a matrix whose width is a
@@ -92,30 +212,27 @@ def padded_width(d: int) -> int:
     return d + 1 if d >= 256 and d % 128 == 0 else d
 
 
-def _numpy_inverse(
-    factor: np.ndarray, shift: np.floating, eye: np.ndarray
-) -> np.ndarray:
+def _numpy_inverse(factor: np.ndarray, shift: np.floating) -> np.ndarray:
     if not np.all(np.isfinite(factor)):
         return np.full_like(factor, np.nan)
-    d = factor.shape[0]
-    if padded_width(d) > d:
-        eye = np.eye(padded_width(d), dtype=factor.dtype)
-        shifted = eye.copy()
+    d, width = factor.shape[0], padded_width(factor.shape[0])
+    if width > d:
+        shifted = np.eye(width, dtype=factor.dtype)
         shifted[:d, :d] = factor
     else:
         shifted = factor.copy()
     shifted[np.arange(d), np.arange(d)] += shift
-    potrf, potrs, potri = _lapack(factor.dtype)
-    chol, info = potrf(shifted, lower=1, clean=1, overwrite_a=1)
+    lapack = _lapack(factor.dtype)
+    info = lapack.potrf(shifted)
     if info == 0:
         if d < POTRI_MIN_DIM[factor.dtype]:
-            inverse, info = potrs(chol, eye, lower=1)
+            inverse = np.eye(width, dtype=factor.dtype)
+            info = lapack.potrs(shifted, inverse)
         else:
-            # `clean=1` left zeros above the diagonal, which `potri` keeps.
-            lower, info = potri(chol, lower=1, overwrite_c=1)
-            diagonal = lower.diagonal().copy()
-            inverse = lower + lower.T
-            np.fill_diagonal(inverse, diagonal)
+            info = lapack.potri(shifted)
+            # Its lower triangle mirrored; the upper one still holds the factor.
+            np.copyto(shifted, shifted.T, where=_above(width))
+            inverse = shifted
         if info == 0 and np.all(np.isfinite(inverse)):
             return inverse[:d, :d]
     try:
@@ -123,6 +240,12 @@ def _numpy_inverse(
     except np.linalg.LinAlgError:  # did not converge
         return np.full_like(factor, np.nan)
     return (vectors / (np.maximum(values, 0) + shift)) @ vectors.T
+
+
+@functools.cache
+def _above(d: int) -> np.ndarray:
+    """Where a `d × d` matrix is above its diagonal."""
+    return np.triu(np.ones((d, d), bool), 1)
 
 
 # OpenBLAS's worker threads spin for about 2**28 cycles (0.1 s) after each

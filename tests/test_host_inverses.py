@@ -9,6 +9,7 @@ and a K-FAC run taking the same steps either way.
 """
 
 import contextlib
+import os
 import re
 import threading
 
@@ -117,22 +118,25 @@ def test_widths_that_are_multiples_of_128_are_inverted_padded(d, dtype, monkeypa
     indefinite factor still falls back to the clamped eigendecomposition."""
     widths, lapack = [], host_linalg._lapack
 
-    def spied_lapack(dtype):
-        potrf, potrs, potri = lapack(dtype)
+    class Spied:
+        def __init__(self, dtype):
+            self.lapack = lapack(dtype)
+            self.potrs, self.potri = self.lapack.potrs, self.lapack.potri
 
-        def spied(a, **kwargs):
+        def potrf(self, a):
             widths.append((threading.get_ident(), a.shape[0]))
-            return potrf(a, **kwargs)
-
-        return spied, potrs, potri
+            return self.lapack.potrf(a)
 
     # Called here, not through a callback, so that this thread's calls are told
     # apart from any other test's still running.
-    monkeypatch.setattr(host_linalg, "_lapack", spied_lapack)
+    monkeypatch.setattr(host_linalg, "_lapack", Spied)
     factor = _psd(jr.key(13), 2, d).at[1].add(-3 * jnp.eye(d, dtype=F64))
     shift = jnp.array([0.1, 0.2], F64)
-    (got,) = host_linalg._numpy_inverses(
-        [np.asarray(factor, dtype)], np.asarray(shift, dtype)
+    got = np.stack(
+        [
+            host_linalg._numpy_inverse(np.asarray(f, dtype), dtype(s))
+            for f, s in zip(factor, shift)
+        ]
     )
     assert got.dtype == dtype
     here = [w for thread, w in widths if thread == threading.get_ident()]
@@ -141,6 +145,59 @@ def test_widths_that_are_multiples_of_128_are_inverted_padded(d, dtype, monkeypa
     tol = {"rtol": 1e-9, "atol": 1e-12} if dtype == np.float64 else {"atol": 2e-5}
     for f, s, inv in zip(factor, shift, got):
         np.testing.assert_allclose(inv, _dense_inverse(f, s), **tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+def test_wide_matrices_are_inverted_on_worker_threads(dtype, monkeypatch):
+    """Where at least two matrices are `PARALLEL_MIN_DIM` wide, the refresh inverts
+    them on its worker threads at once (LAPACK without the GIL), else one after
+    another on the calling thread: either way each stack's inverses, in its
+    order, equal dense float64 ones, an indefinite factor's (the eigendecomposition
+    fallback) and a narrow factor's among them. A forked child, which has none of
+    its parent's threads, makes its own workers."""
+    widths, lapack = [], host_linalg._lapack
+
+    class Spied:
+        def __init__(self, dtype):
+            self.lapack = lapack(dtype)
+            self.potrs, self.potri = self.lapack.potrs, self.lapack.potri
+
+        def potrf(self, a):
+            widths.append((threading.current_thread().name, a.shape[0]))
+            return self.lapack.potrf(a)
+
+    monkeypatch.setattr(host_linalg, "_lapack", Spied)
+    monkeypatch.setattr(host_linalg, "_cores", lambda: 2)
+    d = host_linalg.PARALLEL_MIN_DIM + 45
+    wide = _psd(jr.key(14), 3, d).at[1].add(-3 * jnp.eye(d, dtype=F64))
+    narrow = _psd(jr.key(15), 2, 20)
+    shifts = jnp.array([0.1, 0.2, 0.3, 0.4, 0.5], F64)
+    tol = {"rtol": 1e-9, "atol": 1e-12} if dtype == np.float64 else {"atol": 2e-5}
+
+    def inverted(expect_workers):
+        widths.clear()
+        got = host_linalg._numpy_inverses(
+            [np.asarray(wide, dtype), np.asarray(narrow, dtype)],
+            np.asarray(shifts, dtype),
+        )
+        for f, s, inv in zip([*wide, *narrow], shifts, [*got[0], *got[1]]):
+            assert inv.dtype == dtype
+            np.testing.assert_allclose(inv, _dense_inverse(f, s), **tol)
+        threads = {name for name, w in widths if w == d}
+        assert len([w for _, w in widths if w == d]) == 3
+        if expect_workers:
+            assert all(name.startswith("eqfisher-refresh") for name in threads)
+        else:
+            assert threads == {threading.current_thread().name}
+
+    inverted(expect_workers=True)
+    monkeypatch.setattr(host_linalg._Pool, "pid", -1)  # as in a forked child
+    before = host_linalg._Pool.executor
+    inverted(expect_workers=True)
+    assert host_linalg._Pool.executor is not before
+    assert host_linalg._Pool.pid == os.getpid()
+    monkeypatch.setattr(host_linalg, "PARALLEL_MIN_DIM", d + 1)
+    inverted(expect_workers=False)
 
 
 def test_a_nonfinite_factor_gives_nan_on_the_host():
