@@ -46,7 +46,8 @@ def pytest_configure(config):
     # compilation cache entry ... incomplete or truncated stream", seen once on jax
     # 0.9) and compiles the program itself, as without a cache. Nothing else
     # changes, so the warning is not shown. One cache per worker avoids the race but
-    # shares nothing: four modules took 175-180 s against 158-159 s (RESULTS.md).
+    # shares nothing: four modules took 175-180 s against 158-159 s
+    # (benchmarks/RESULTS.md, "Issue 26, seventeenth session").
     config.addinivalue_line(
         "filterwarnings",
         "ignore:Error reading persistent compilation cache entry:UserWarning",
