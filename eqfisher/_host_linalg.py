@@ -173,8 +173,8 @@ class Lapack:
         return info.value
 
     def potrs(self, chol: np.ndarray, b: np.ndarray) -> int:
-        """`b` becomes `b (L Lᵀ)⁻¹`, L the lower triangle of `chol` (LAPACK solves
-        for the columns of `bᵀ`, its rows)."""
+        """`b`, as wide as `chol`, becomes `b (L Lᵀ)⁻¹`, L the lower triangle of
+        `chol` (LAPACK solves for the columns of `bᵀ`, its rows)."""
         n, info, ref = ctypes.c_int(chol.shape[0]), ctypes.c_int(0), ctypes.byref
         self._potrs(
             ref(_UPPER),
