@@ -108,14 +108,9 @@ def test_half_precision_factors_are_inverted_in_float32(dtype, on_host):
         np.testing.assert_allclose(np.asarray(inv, np.float32), want, atol=2e-2)
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("d", [255, 256, 512])
-def test_widths_that_are_multiples_of_128_are_inverted_padded(d, dtype, monkeypatch):
-    """From 256 on, a width that is a multiple of 128 is inverted inside one a row
-    and a column wider (LAPACK is slower at such widths): the leading block of the
-    wider inverse is the inverse itself, through `potrs` (float32 at 256) and
-    `potri` (float64, and float32 at 512: its lower triangle mirrored), and an
-    indefinite factor still falls back to the clamped eigendecomposition."""
+def _spied_cholesky(monkeypatch) -> list[tuple[threading.Thread, int]]:
+    """The thread and the width of each Cholesky factorisation the host refresh
+    runs from now on, in the list returned."""
     widths, lapack = [], host_linalg._lapack
 
     class Spied:
@@ -124,12 +119,24 @@ def test_widths_that_are_multiples_of_128_are_inverted_padded(d, dtype, monkeypa
             self.potrs, self.potri = self.lapack.potrs, self.lapack.potri
 
         def potrf(self, a):
-            widths.append((threading.get_ident(), a.shape[0]))
+            widths.append((threading.current_thread(), a.shape[0]))
             return self.lapack.potrf(a)
 
+    monkeypatch.setattr(host_linalg, "_lapack", Spied)
+    return widths
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("d", [255, 256, 512])
+def test_widths_that_are_multiples_of_128_are_inverted_padded(d, dtype, monkeypatch):
+    """From 256 on, a width that is a multiple of 128 is inverted inside one a row
+    and a column wider (LAPACK is slower at such widths): the leading block of the
+    wider inverse is the inverse itself, through `potrs` (float32 at 256) and
+    `potri` (float64, and float32 at 512: its lower triangle mirrored), and an
+    indefinite factor still falls back to the clamped eigendecomposition."""
     # Called here, not through a callback, so that this thread's calls are told
     # apart from any other test's still running.
-    monkeypatch.setattr(host_linalg, "_lapack", Spied)
+    widths = _spied_cholesky(monkeypatch)
     factor = _psd(jr.key(13), 2, d).at[1].add(-3 * jnp.eye(d, dtype=F64))
     shift = jnp.array([0.1, 0.2], F64)
     got = np.stack(
@@ -139,7 +146,7 @@ def test_widths_that_are_multiples_of_128_are_inverted_padded(d, dtype, monkeypa
         ]
     )
     assert got.dtype == dtype
-    here = [w for thread, w in widths if thread == threading.get_ident()]
+    here = [w for thread, w in widths if thread is threading.current_thread()]
     assert here == [host_linalg.padded_width(d)] * 2
     assert host_linalg.padded_width(d) == (d if d == 255 else d + 1)
     tol = {"rtol": 1e-9, "atol": 1e-12} if dtype == np.float64 else {"atol": 2e-5}
@@ -155,18 +162,7 @@ def test_wide_matrices_are_inverted_on_worker_threads(dtype, monkeypatch):
     order, equal dense float64 ones, an indefinite factor's (the eigendecomposition
     fallback) and a narrow factor's among them. A forked child, which has none of
     its parent's threads, makes its own workers."""
-    widths, lapack = [], host_linalg._lapack
-
-    class Spied:
-        def __init__(self, dtype):
-            self.lapack = lapack(dtype)
-            self.potrs, self.potri = self.lapack.potrs, self.lapack.potri
-
-        def potrf(self, a):
-            widths.append((threading.current_thread().name, a.shape[0]))
-            return self.lapack.potrf(a)
-
-    monkeypatch.setattr(host_linalg, "_lapack", Spied)
+    widths = _spied_cholesky(monkeypatch)
     monkeypatch.setattr(host_linalg, "_cores", lambda: 2)
     d = host_linalg.PARALLEL_MIN_DIM + 45
     wide = _psd(jr.key(14), 3, d).at[1].add(-3 * jnp.eye(d, dtype=F64))
@@ -183,7 +179,7 @@ def test_wide_matrices_are_inverted_on_worker_threads(dtype, monkeypatch):
         for f, s, inv in zip([*wide, *narrow], shifts, [*got[0], *got[1]]):
             assert inv.dtype == dtype
             np.testing.assert_allclose(inv, _dense_inverse(f, s), **tol)
-        threads = {name for name, w in widths if w == d}
+        threads = {thread.name for thread, w in widths if w == d}
         assert len([w for _, w in widths if w == d]) == 3
         if expect_workers:
             assert all(name.startswith("eqfisher-refresh") for name in threads)
