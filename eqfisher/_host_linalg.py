@@ -16,11 +16,14 @@ import contextlib
 import ctypes
 import functools
 import glob
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import scipy.linalg
 import scipy.linalg.cython_lapack
@@ -51,12 +54,72 @@ def shifted_inverses(factors: Sequence[Array], shifts: Array) -> list[Array]:
     last inverse). Not differentiable itself (`blocks.kronecker` differentiates
     it)."""
     shapes = [jax.ShapeDtypeStruct(f.shape, f.dtype) for f in factors]
+    packing = Packing.of([*factors, shifts])
     return jax.pure_callback(
-        _numpy_inverses, shapes, list(factors), shifts, vmap_method="sequential"
+        functools.partial(_numpy_inverses, packing),
+        shapes,
+        *packing.pack([*factors, shifts]),
+        vmap_method="sequential",
     )
 
 
-def _numpy_inverses(factors, shifts) -> list[np.ndarray]:
+# jax hands a callback's operands to it as jax Arrays, a `device_put` each: about
+# 45 us an operand on the CPU, against 7 us a result (one callback, 32 x 32
+# float32 operands: 162 us with one, 409 with seven; jax 0.9-0.12). So the
+# refresh's small operands travel joined, one operand per dtype, each at most
+# this many elements: copying them costs less than passing them one by one
+# (benchmarks/RESULTS.md, "Issue 26, eighteenth session").
+PACKED_MAX_SIZE = 2**16
+
+
+class Packing(NamedTuple):
+    """How a callback's arrays travel as its operands: `groups[i]`, the positions
+    of the arrays joined (raveled, one after another) in operand `i`, or of the
+    one array passed as it is; `shapes`, every array's shape."""
+
+    groups: tuple[tuple[int, ...], ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, arrays: Sequence[Array | np.ndarray]) -> "Packing":
+        """The small arrays (`PACKED_MAX_SIZE`) joined by dtype, the rest alone."""
+        joined: dict[np.dtype, list[int]] = {}
+        groups: list[tuple[int, ...]] = []
+        for i, x in enumerate(arrays):
+            if x.size <= PACKED_MAX_SIZE:
+                joined.setdefault(np.dtype(x.dtype), []).append(i)
+            else:
+                groups.append((i,))
+        groups += [tuple(members) for members in joined.values()]
+        return cls(tuple(groups), tuple(tuple(x.shape) for x in arrays))
+
+    def pack(self, arrays: Sequence[Array | np.ndarray]) -> list[Array | np.ndarray]:
+        """The callback's operands."""
+        return [
+            arrays[g[0]]
+            if len(g) == 1
+            else jnp.concatenate([jnp.ravel(arrays[i]) for i in g])
+            for g in self.groups
+        ]
+
+    def unpack(self, operands: Sequence[Any]) -> list[np.ndarray]:
+        """The arrays, from the callback's operands (NumPy views of them)."""
+        out: list[np.ndarray] = [np.empty(0)] * len(self.shapes)
+        for g, operand in zip(self.groups, operands):
+            operand = np.asarray(operand)
+            if len(g) == 1:
+                out[g[0]] = operand
+                continue
+            start = 0
+            for i in g:
+                size = math.prod(self.shapes[i])
+                out[i] = operand[start : start + size].reshape(self.shapes[i])
+                start += size
+        return out
+
+
+def _numpy_inverses(packing: Packing, *operands) -> list[np.ndarray]:
+    *factors, shifts = packing.unpack(operands)
     with one_blas_thread():
         return _numpy_inverses_here(factors, shifts)
 
@@ -64,7 +127,7 @@ def _numpy_inverses(factors, shifts) -> list[np.ndarray]:
 def _numpy_inverses_here(factors, shifts) -> list[np.ndarray]:
     shifts = np.asarray(shifts)
     ends = np.cumsum([np.shape(stack)[0] for stack in factors])
-    out, jobs = [], []
+    out, jobs, widths = [], [], []
     for stack, shift in zip(factors, np.split(shifts, ends[:-1])):
         stack = np.asarray(stack)
         # Half precisions are inverted in float32 (LAPACK has none below it).
@@ -73,8 +136,9 @@ def _numpy_inverses_here(factors, shifts) -> list[np.ndarray]:
         for i, (f, s) in enumerate(zip(stack.astype(work, copy=False), shift)):
             job = functools.partial(_invert_into, inverses[i], f, s.astype(work))
             jobs.append(job)
+            widths.append(stack.shape[-1])
         out.append((inverses, stack.dtype))
-    _run(jobs, [np.shape(stack)[-1] for stack in factors for _ in stack])
+    _run(jobs, widths)
     return [inverses.astype(dtype, copy=False) for inverses, dtype in out]
 
 

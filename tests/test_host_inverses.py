@@ -172,10 +172,9 @@ def test_wide_matrices_are_inverted_on_worker_threads(dtype, monkeypatch):
 
     def inverted(expect_workers):
         widths.clear()
-        got = host_linalg._numpy_inverses(
-            [np.asarray(wide, dtype), np.asarray(narrow, dtype)],
-            np.asarray(shifts, dtype),
-        )
+        arrays = [np.asarray(x, dtype) for x in (wide, narrow, shifts)]
+        packing = host_linalg.Packing.of(arrays)
+        got = host_linalg._numpy_inverses(packing, *packing.pack(arrays))
         for f, s, inv in zip([*wide, *narrow], shifts, [*got[0], *got[1]]):
             assert inv.dtype == dtype
             np.testing.assert_allclose(inv, _dense_inverse(f, s), **tol)
@@ -235,6 +234,54 @@ def test_vmap_equals_one_by_one(on_host):
         for j in range(2):
             want = _dense_inverse(factors[i, j], shifts[i, j])
             np.testing.assert_allclose(got[i, j], want, rtol=1e-9, atol=1e-12)
+
+
+def test_small_operands_reach_the_callback_joined_by_dtype(monkeypatch):
+    """The callback's small arrays travel joined, one operand per dtype (jax puts
+    each operand on the device before the callback sees it), the large ones alone:
+    the unpacked arrays are the originals, bit for bit, and the inverses of a mix
+    of dtypes and sizes, the shifts among the joined ones, equal dense float64
+    ones."""
+    big = host_linalg.PACKED_MAX_SIZE
+    side = int(np.sqrt(big)) + 1  # one matrix just over the limit
+    arrays = [
+        np.arange(12.0, dtype=np.float32).reshape(1, 3, 4),
+        np.arange(big, dtype=np.float32),  # at the limit: joined
+        np.arange(side * side, dtype=np.float32).reshape(1, side, side),
+        np.arange(6.0, dtype=np.float64).reshape(2, 3),
+        np.arange(5.0, dtype=np.float32),
+    ]
+    packing = host_linalg.Packing.of(arrays)
+    assert sorted(packing.groups) == [(0, 1, 4), (2,), (3,)]
+    unpacked = packing.unpack(jax.jit(packing.pack)(arrays))
+    for x, y in zip(arrays, unpacked):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(x, y)
+
+    seen, inverses = [], host_linalg._numpy_inverses
+
+    def spied(packing, *operands):
+        seen.append(len(operands))
+        return inverses(packing, *operands)
+
+    monkeypatch.setattr(host_linalg, "_numpy_inverses", spied)
+    d = side  # a factor stack too large to join
+    factors = [
+        _psd(jr.key(20), 2, 7, jnp.float32),
+        _psd(jr.key(21), 1, d, jnp.float32),
+        _psd(jr.key(22), 3, 5),
+        _psd(jr.key(23), 1, 9, jnp.float32),
+    ]
+    shifts = [jnp.asarray(np.linspace(0.1, 0.9, len(f))) for f in factors]
+    shifts = [s.astype(f.dtype) for s, f in zip(shifts, factors)]
+    got = _jitted(True)(factors, shifts)
+    # The 7- and 9-wide float32 stacks join; the float64 stack joins the shifts
+    # (one float64 vector, as one factor is float64); the wide stack is alone.
+    assert seen == [3]
+    for f, s, inv in zip(factors, shifts, got):
+        tol = {"rtol": 1e-9, "atol": 1e-12} if f.dtype == F64 else {"atol": 3e-4}
+        for i in range(len(f)):
+            np.testing.assert_allclose(inv[i], _dense_inverse(f[i], s[i]), **tol)
 
 
 @PATHS
