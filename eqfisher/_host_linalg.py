@@ -133,17 +133,12 @@ def _numpy_inverses_here(factors, shifts) -> list[np.ndarray]:
         # Half precisions are inverted in float32 (LAPACK has none below it).
         work = np.dtype(np.float64 if stack.dtype == np.float64 else np.float32)
         inverses = np.empty(stack.shape, work)
-        for i, (f, s) in enumerate(zip(stack.astype(work, copy=False), shift)):
-            job = functools.partial(_invert_into, inverses[i], f, s.astype(work))
-            jobs.append(job)
-            widths.append(stack.shape[-1])
+        stack_jobs = _jobs(inverses, stack.astype(work, copy=False), shift.astype(work))
+        jobs += stack_jobs
+        widths += [stack.shape[-1]] * len(stack_jobs)
         out.append((inverses, stack.dtype))
     _run(jobs, widths)
     return [inverses.astype(dtype, copy=False) for inverses, dtype in out]
-
-
-def _invert_into(out: np.ndarray, factor: np.ndarray, shift: np.floating) -> None:
-    out[...] = _numpy_inverse(factor, shift)
 
 
 # Where at least two matrices are this wide, the refresh inverts them at once on
@@ -276,34 +271,70 @@ def padded_width(d: int) -> int:
     return d + 1 if d >= 256 and d % 128 == 0 else d
 
 
-def _numpy_inverse(factor: np.ndarray, shift: np.floating) -> np.ndarray:
-    if not np.all(np.isfinite(factor)):
-        return np.full_like(factor, np.nan)
-    d, width = factor.shape[0], padded_width(factor.shape[0])
+def _jobs(out: np.ndarray, stack: np.ndarray, shifts: np.ndarray) -> list[Callable]:
+    """One job a matrix of `stack`, `(k, d, d)`, each writing `(F + shift·I)⁻¹` into
+    its `out[i]`. What NumPy can do for the whole stack at once is done here: the
+    finite checks, the copy, the shift (the jobs' own NumPy calls cost about 5 us
+    each, a few times the LAPACK of a narrow matrix)."""
+    k, d = stack.shape[0], stack.shape[-1]
+    width = padded_width(d)
     if width > d:
-        shifted = np.eye(width, dtype=factor.dtype)
-        shifted[:d, :d] = factor
+        shifted = np.zeros((k, width, width), stack.dtype)
+        shifted[:, :d, :d] = stack
     else:
-        shifted = factor.copy()
-    shifted[np.arange(d), np.arange(d)] += shift
+        shifted = stack.copy()
+    diagonals = shifted.reshape(k, width * width)[:, :: width + 1]
+    diagonals[:, :d] += shifts[:, None]
+    diagonals[:, d:] = 1
+    finite = np.all(np.isfinite(stack), axis=(1, 2)).tolist()
+    return [
+        functools.partial(_invert, out[i], shifted[i], stack[i], shifts[i])
+        if finite[i]
+        else functools.partial(out[i].fill, np.nan)
+        for i in range(k)
+    ]
+
+
+def _invert(out: np.ndarray, shifted: np.ndarray, factor: np.ndarray, shift) -> None:
+    """`out` becomes `shifted⁻¹`'s leading block by Cholesky, or where that fails
+    `(clamp(factor) + shift·I)⁻¹` from the eigendecomposition (NaN where that does
+    not converge); `shifted` is overwritten."""
+    d, width = factor.shape[0], shifted.shape[0]
     lapack = _lapack(factor.dtype)
     info = lapack.potrf(shifted)
     if info == 0:
         if d < POTRI_MIN_DIM[factor.dtype]:
-            inverse = np.eye(width, dtype=factor.dtype)
+            inverse = out if width == d else np.empty_like(shifted)
+            np.copyto(inverse, _eye(width, factor.dtype))
             info = lapack.potrs(shifted, inverse)
         else:
             info = lapack.potri(shifted)
             # Its lower triangle mirrored; the upper one still holds the factor.
             np.copyto(shifted, shifted.T, where=_above(width))
             inverse = shifted
-        if info == 0 and np.all(np.isfinite(inverse)):
-            return inverse[:d, :d]
+        if info == 0 and np.isfinite(inverse).all():
+            if inverse is not out:
+                out[...] = inverse[:d, :d]
+            return
     try:
         values, vectors = np.linalg.eigh(factor)
     except np.linalg.LinAlgError:  # did not converge
-        return np.full_like(factor, np.nan)
-    return (vectors / (np.maximum(values, 0) + shift)) @ vectors.T
+        out.fill(np.nan)
+        return
+    out[...] = (vectors / (np.maximum(values, 0) + shift)) @ vectors.T
+
+
+def _numpy_inverse(factor: np.ndarray, shift: np.floating) -> np.ndarray:
+    """`(factor + shift·I)⁻¹` of one matrix, as the refresh inverts each."""
+    out = np.empty_like(factor)
+    (job,) = _jobs(out[None], factor[None], np.asarray([shift], factor.dtype))
+    job()
+    return out
+
+
+@functools.cache
+def _eye(d: int, dtype: np.dtype) -> np.ndarray:
+    return np.eye(d, dtype=dtype)
 
 
 @functools.cache
