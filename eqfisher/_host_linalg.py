@@ -324,14 +324,6 @@ def _invert(out: np.ndarray, shifted: np.ndarray, factor: np.ndarray, shift) -> 
     out[...] = (vectors / (np.maximum(values, 0) + shift)) @ vectors.T
 
 
-def _numpy_inverse(factor: np.ndarray, shift: np.floating) -> np.ndarray:
-    """`(factor + shift·I)⁻¹` of one matrix, as the refresh inverts each."""
-    out = np.empty_like(factor)
-    (job,) = _jobs(out[None], factor[None], np.asarray([shift], factor.dtype))
-    job()
-    return out
-
-
 @functools.cache
 def _eye(d: int, dtype: np.dtype) -> np.ndarray:
     return np.eye(d, dtype=dtype)

@@ -137,13 +137,11 @@ def test_widths_that_are_multiples_of_128_are_inverted_padded(d, dtype, monkeypa
     # Called here, not through a callback, so that this thread's calls are told
     # apart from any other test's still running.
     widths = _spied_cholesky(monkeypatch)
+    monkeypatch.setattr(host_linalg, "_cores", lambda: 1)  # no worker threads
     factor = _psd(jr.key(13), 2, d).at[1].add(-3 * jnp.eye(d, dtype=F64))
     shift = jnp.array([0.1, 0.2], F64)
-    got = np.stack(
-        [
-            host_linalg._numpy_inverse(np.asarray(f, dtype), dtype(s))
-            for f, s in zip(factor, shift)
-        ]
+    (got,) = host_linalg._numpy_inverses_here(
+        [np.asarray(factor, dtype)], np.asarray(shift, dtype)
     )
     assert got.dtype == dtype
     here = [w for thread, w in widths if thread is threading.current_thread()]
