@@ -193,9 +193,14 @@ def test_wide_matrices_are_inverted_on_worker_threads(dtype, monkeypatch):
     inverted(expect_workers=False)
 
 
-def test_a_nonfinite_factor_gives_nan_on_the_host():
+@pytest.mark.parametrize("d", [5, 259], ids=["narrow", "wide"])
+def test_a_nonfinite_factor_gives_nan_on_the_host(d):
+    """A narrow stack is checked as a whole; each matrix of a wide one
+    (`PARALLEL_MIN_DIM` and wider) by the job that inverts it, on a worker thread
+    where there are two cores."""
+    assert (d >= host_linalg.PARALLEL_MIN_DIM) == (d == 259)
     on_host = True
-    factor = _psd(jr.key(6), 2, 5).at[1, 0, 0].set(jnp.nan)
+    factor = _psd(jr.key(6), 2, d).at[1, 0, d - 1].set(jnp.nan)
     shift = jnp.array([0.1, 0.1], F64)
     (got,) = _jitted(on_host)([factor], [shift])
     np.testing.assert_allclose(got[0], _dense_inverse(factor[0], 0.1), rtol=1e-10)
