@@ -164,14 +164,14 @@ def _run(jobs: Sequence[Callable[[], None]], widths: Sequence[int]) -> None:
     on more than one core; else one after another here."""
     order = sorted(range(len(jobs)), key=lambda i: -widths[i])
     wide = sum(w >= PARALLEL_MIN_DIM for w in widths)
-    if min(wide, _cores()) < 2:
+    if min(wide, usable_cores()) < 2:
         for i in order:
             jobs[i]()
         return
     with _Pool.lock:
         if _Pool.executor is None or _Pool.pid != os.getpid():
             _Pool.executor = concurrent.futures.ThreadPoolExecutor(
-                _cores(), thread_name_prefix="eqfisher-refresh"
+                usable_cores(), thread_name_prefix="eqfisher-refresh"
             )
             _Pool.pid = os.getpid()
         executor = _Pool.executor
@@ -179,7 +179,7 @@ def _run(jobs: Sequence[Callable[[], None]], widths: Sequence[int]) -> None:
         future.result()
 
 
-def _cores() -> int:
+def usable_cores() -> int:
     """The cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))

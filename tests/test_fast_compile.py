@@ -9,6 +9,7 @@ import pytest
 
 import eqfisher as ef
 from eqfisher import optim
+from eqfisher._host_linalg import usable_cores
 
 from .helpers import tree_allclose
 from .optim_problem import like, loss_fn, problem
@@ -46,6 +47,25 @@ def test_options_compile_and_compute_the_same():
     x = jnp.linspace(-1.0, 1.0, 7)
     f = eqx.filter_jit(lambda x: jnp.tanh(x) * x**2, compiler_options=options or None)
     assert jnp.allclose(f(x), jnp.tanh(x) * x**2, rtol=1e-12, atol=1e-14)
+
+
+def test_the_llvm_module_is_compiled_in_four_parts_a_core(monkeypatch):
+    from eqfisher.optim import _compile
+
+    key = "xla_cpu_parallel_codegen_split_count"
+    try:
+        for cores, parts in ((1, 4), (2, 8), (5, 20), (64, 32)):
+            monkeypatch.setattr(_compile, "usable_cores", lambda cores=cores: cores)
+            _compile._cpu_options.cache_clear()
+            # Taken by jaxlib 0.9-0.12's CPU compiler, with -O1.
+            options = dict(_compile._cpu_options())
+            assert options[key] == parts
+            assert options["xla_backend_optimization_level"] == 1
+    finally:
+        monkeypatch.undo()
+        _compile._cpu_options.cache_clear()
+    if jax.default_backend() == "cpu":
+        assert optim.fast_compile_options()[key] == min(32, 4 * usable_cores())
 
 
 def test_fast_and_default_compiles_train_alike():

@@ -237,7 +237,7 @@ def test_graft_takes_leaves_of_different_float_widths():
 def test_graft_lengths_are_exact_for_leaves_of_awkward_sizes(dtype, large):
     # Every leaf's norm comes from one packed reduction over rows of a shared
     # width (nine leaves, 64 wide here: over 2048 rows of 32), or above 2**20
-    # elements in all (or up to eight leaves) from a sum per leaf: sizes below,
+    # elements in all (or for one leaf) from a sum per leaf: sizes below,
     # at and above a row, an empty leaf, a scalar
     # and a leaf wider than all others must each still step exactly Adam's
     # length for that leaf.

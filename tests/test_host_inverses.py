@@ -137,7 +137,7 @@ def test_widths_that_are_multiples_of_128_are_inverted_padded(d, dtype, monkeypa
     # Called here, not through a callback, so that this thread's calls are told
     # apart from any other test's still running.
     widths = _spied_cholesky(monkeypatch)
-    monkeypatch.setattr(host_linalg, "_cores", lambda: 1)  # no worker threads
+    monkeypatch.setattr(host_linalg, "usable_cores", lambda: 1)  # no worker threads
     factor = _psd(jr.key(13), 2, d).at[1].add(-3 * jnp.eye(d, dtype=F64))
     shift = jnp.array([0.1, 0.2], F64)
     (got,) = host_linalg._numpy_inverses_here(
@@ -161,7 +161,7 @@ def test_wide_matrices_are_inverted_on_worker_threads(dtype, monkeypatch):
     fallback) and a narrow factor's among them. A forked child, which has none of
     its parent's threads, makes its own workers."""
     widths = _spied_cholesky(monkeypatch)
-    monkeypatch.setattr(host_linalg, "_cores", lambda: 2)
+    monkeypatch.setattr(host_linalg, "usable_cores", lambda: 2)
     d = host_linalg.PARALLEL_MIN_DIM + 45
     wide = _psd(jr.key(14), 3, d).at[1].add(-3 * jnp.eye(d, dtype=F64))
     narrow = _psd(jr.key(15), 2, 20)

@@ -10,6 +10,8 @@ import jax
 import jax.core
 import jax.numpy as jnp
 
+from .._host_linalg import usable_cores
+
 
 # XLA:CPU's element-wise code from its older emitters, optimised by LLVM at -O1: on
 # jaxlib 0.9-0.10 the XLA compile of a `kfac_step` takes about half the time of
@@ -24,17 +26,30 @@ _CPU_CANDIDATES: tuple[dict[str, Any], ...] = (
 )
 
 
+def _codegen_split_count() -> int:
+    """The parts XLA:CPU splits a program's LLVM module into, to compile them at
+    once (`xla_cpu_parallel_codegen_split_count`, 32 by default): four a core, at
+    most 32. Each part is cloned and run through LLVM's passes; on 2 cores, 8 parts
+    took a K-FAC step's XLA compile 3-10% less time than 32 (jaxlib 0.10 and
+    0.12), the code the same (benchmarks/RESULTS.md, "Issue 26, nineteenth
+    session")."""
+    return min(32, 4 * usable_cores())
+
+
 @functools.cache
 def _cpu_options() -> tuple[tuple[str, Any], ...]:
     """The first of `_CPU_CANDIDATES` that the CPU compiler takes (tried once on a
-    one-op function), as items; none when it takes none."""
+    one-op function), with `_codegen_split_count()` where it takes that too, as
+    items; none when it takes none."""
     x = jax.ShapeDtypeStruct((), jnp.float32)
-    for options in _CPU_CANDIDATES:
-        try:  # ahead of time: allowed inside a trace too
-            jax.jit(jnp.negative).lower(x).compile(dict(options))
-        except RuntimeError:  # jax.errors.JaxRuntimeError: no such compile option
-            continue
-        return tuple(options.items())
+    split = {"xla_cpu_parallel_codegen_split_count": _codegen_split_count()}
+    for candidate in _CPU_CANDIDATES:
+        for options in ({**candidate, **split}, candidate):
+            try:  # ahead of time: allowed inside a trace too
+                jax.jit(jnp.negative).lower(x).compile(dict(options))
+            except RuntimeError:  # jax.errors.JaxRuntimeError: no such option
+                continue
+            return tuple(options.items())
     return ()
 
 
@@ -46,7 +61,9 @@ def fast_compile_options() -> dict[str, Any]:
     defaults on the five problems of `benchmarks/kfac_defaults.py` and the 12-block
     GPT, and its steps 0-10% longer: worth it for runs of up to a few thousand
     steps. With jaxlib 0.12, which has only the newer emitters, LLVM at -O1 alone:
-    0.87-0.94 of the XLA compile, steps unchanged. On a GPU an empty dict: nothing
+    0.87-0.94 of the XLA compile, steps unchanged. With either, the LLVM module is
+    compiled in four parts a core, at most 32 (XLA's default is 32 whatever the
+    cores): on 2 cores, 3-10% less XLA compile. On a GPU an empty dict: nothing
     applies.
 
     `kfac_step(..., fast_compile=True)` (the default) compiles its step with these;

@@ -355,9 +355,13 @@ def _preconditioner(
         direction = precondition(updates, state)
         lr = value_at(learning_rate, state.count)
         if not is_constant(learning_rate):  # a constant was checked when built
-            direction = checked_at(
-                caller, "learning_rate", lr, direction, allow_zero=True
+            # Attached to the count the state carries out, not to the direction:
+            # the check's `cond` then passes one scalar through, not every leaf
+            # (a copy each per step, and a kernel each to compile).
+            count = checked_at(
+                caller, "learning_rate", lr, state.count, allow_zero=True
             )
+            state = state._replace(count=count)
         ok = None
         if norm_constraint is not None:
             direction, ok = _constrain(direction, updates, norm_constraint, lr)

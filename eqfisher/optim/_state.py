@@ -236,11 +236,12 @@ def all_finite(tree: PyTree) -> Array:
 # its masked reduction over them is leaves x rows elements.
 _SUM_SQUARES_ROWS = 2048
 # `sum_squares` packs more than this many leaves, of at most this many elements
-# in all; it sums each leaf by itself otherwise. For few leaves XLA fuses the sums
-# into a few kernels anyway (six leaves: 46 against 48 ms of compile, 20 against
-# 42 us a call, ten: 57 against 45 ms, 60 against 23 us); for many elements,
+# in all; it sums each leaf by itself otherwise. Packed, the six leaves of the
+# digits MLP compile in 20 against 46 ms (two calls: 41 against 92 ms, 155 against
+# 113 us a call alone), and a K-FAC step's XLA compile is 0.04-0.06 s shorter
+# (benchmarks/RESULTS.md, "Issue 26, nineteenth session"); for many elements,
 # packing copies every element once more (and would gather sharded leaves).
-_SUM_SQUARES_MIN_PACKED = 8
+_SUM_SQUARES_MIN_PACKED = 1
 _SUM_SQUARES_MAX_PACKED = 2**20
 
 
@@ -249,8 +250,8 @@ def sum_squares(leaves: Sequence[Array]) -> Array:
     kernels for all the leaves together: each leaf zero-padded to whole rows of
     one width, the rows stacked and summed, then each leaf's rows added by a
     masked reduction. A sum per leaf is one to two kernels each on the CPU
-    (XLA splits a long sum in two): 5-7 ms of compile time apiece. Up to eight
-    leaves, or more than 2**20 elements in all, are summed one by one."""
+    (XLA splits a long sum in two): 5-7 ms of compile time apiece. One leaf, or
+    more than 2**20 elements in all, are summed one by one."""
     if not leaves:
         return jnp.zeros((0,), jnp.float32)
     dtype = float_type(leaves)
