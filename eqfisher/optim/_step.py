@@ -74,9 +74,10 @@ def kfac_step(
       (default): on the CPU with jaxlib 0.9-0.10, its first call compiles in about
       half the time of XLA's defaults and its steps are 0-10% longer
       (`benchmarks/RESULTS.md`); `False` for XLA's defaults, for runs of many
-      thousand steps. On jaxlib 0.12 LLVM -O1 only (the XLA compile 6-13%
-      shorter); no effect on a GPU, or when `step` is called inside another
-      `jit` (that one's options apply).
+      thousand steps. On jaxlib 0.12 LLVM -O1 (the XLA compile 6-13% shorter)
+      and the module compiled in four parts a core (5% more on digits-std); no
+      effect on a GPU, or when `step` is called inside another `jit` (that one's
+      options apply).
     - `donate`: `True` donates the arrays of the `model` and `opt_state` passed to
       `step` (`jax.jit(donate_argnums=...)`, as kfac_jax's step always does): XLA
       writes the new ones into their buffers instead of copying the curvature
