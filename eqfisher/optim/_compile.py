@@ -32,7 +32,8 @@ def _codegen_split_count() -> int:
     most 32. Each part is cloned and run through LLVM's passes; on 2 cores, 8 parts
     took a K-FAC step's XLA compile 3-10% less time than 32 (jaxlib 0.10 and
     0.12), the code the same (benchmarks/RESULTS.md, "Issue 26, nineteenth
-    session")."""
+    session"). Measured on 2 cores only: four a core is that grid's choice
+    carried to other machines, and from 8 cores on it is XLA's own 32."""
     return min(32, 4 * usable_cores())
 
 
