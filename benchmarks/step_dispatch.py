@@ -13,8 +13,11 @@ calls it, on a batch sliced beforehand (40 batches of 256, the same for all):
 - the same K-FAC step jitted by `eqx.filter_jit` with the same compiler options:
   what `kfac_step` dispatched with before it flattened its own calls.
 
-Best of five runs of 40 steps after 40 of warm-up, on the five problems of
-`kfac_defaults.py`.
+The median of seven rounds that take the steps in turn, 40 steps each, after 40
+untimed steps of each, on the five problems of `kfac_defaults.py`: taking the steps
+in turn lets a change in the host's speed reach all of them alike (best of five
+runs of each step in a row, as this script did before, put K-FAC's step without
+statistics at 1.07-1.45 times Adam's on digits-std in three runs).
 
     python benchmarks/step_dispatch.py
     OPENBLAS_NUM_THREADS=1 python benchmarks/step_dispatch.py
@@ -41,21 +44,32 @@ def _copy_array(x):
     return jnp.copy(x) if eqx.is_array(x) else x
 
 
-def _ms(step, model, state, batches, keys) -> float:
+def _run(step, carry, batches, keys) -> tuple[float, tuple]:
+    """Milliseconds a step over `batches`, and the `(model, state)` carried on."""
+    model, state = carry
+    t0 = time.perf_counter()
     for batch, key in zip(batches, keys):
         model, state, _ = step(model, state, batch, key)
-    jax.block_until_ready(model)
-    best = np.inf
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for batch, key in zip(batches, keys):
-            model, state, _ = step(model, state, batch, key)
-        jax.block_until_ready(model)
-        best = min(best, (time.perf_counter() - t0) / len(batches) * 1e3)
-    return best
+    jax.block_until_ready((model, state))
+    return (time.perf_counter() - t0) / len(batches) * 1e3, (model, state)
 
 
-def measure(name: str) -> dict[str, float]:
+def _interleaved(steps: dict, rounds: int, batches, keys) -> dict[str, float]:
+    """Each step's median milliseconds over `rounds` rounds that take the steps in
+    turn (one pass over `batches` each), after one untimed pass of each: drift of
+    the host's speed during the measurement reaches every step alike."""
+    carries = {}
+    for tag, (step, carry) in steps.items():
+        carries[tag] = _run(step, carry, batches, keys)[1]
+    times: dict[str, list[float]] = {tag: [] for tag in steps}
+    for _ in range(rounds):
+        for tag, (step, _) in steps.items():
+            ms, carries[tag] = _run(step, carries[tag], batches, keys)
+            times[tag].append(ms)
+    return {tag: float(np.median(t)) for tag, t in times.items()}
+
+
+def measure(name: str, rounds: int) -> dict[str, float]:
     model, x, y, loss_fn, _ = problem(name, jax.random.key(0))
     params = eqx.filter(model, eqx.is_inexact_array)
     rng = np.random.default_rng(0)
@@ -64,7 +78,7 @@ def measure(name: str) -> dict[str, float]:
     ]
     batches = [(x[jnp.asarray(i)], y[jnp.asarray(i)]) for i in picks]
     keys = list(jax.random.split(jax.random.key(1), 40))
-    ms = {}
+    steps = {}
     for kind, make in (("adam", optax.adam), ("muon", optax.contrib.muon)):
 
         @eqx.filter_jit
@@ -76,7 +90,7 @@ def measure(name: str) -> dict[str, float]:
             )
             return eqx.apply_updates(model, updates), state, None
 
-        ms[kind] = _ms(step, model, make(1e-3).init(params), batches, keys)
+        steps[kind] = (step, (model, make(1e-3).init(params)))
     estimator, structure = ef.FisherMC(samples=1), ef.KFAC()
     vgc = ef.value_grad_and_curvature(loss_fn, estimator=estimator, structure=structure)
     like = ef.optim.curvature_like(vgc, model, batches[0], key=keys[0])
@@ -96,21 +110,24 @@ def measure(name: str) -> dict[str, float]:
             donate=donate,
         )
         # A copy: a donated step deletes the arrays it is given.
-        start = jax.tree_util.tree_map(_copy_array, (model, opt.init(params)))
-        ms[tag] = _ms(step, *start, batches, keys)
+        steps[tag] = (
+            step,
+            jax.tree_util.tree_map(_copy_array, (model, opt.init(params))),
+        )
         if tag == "kfac":
             options = ef.optim.fast_compile_options() or None
             # eqx's typed overloads leave out the `**jitkwargs` it passes to jax.jit.
             by_eqx = eqx.filter_jit(inspect.unwrap(step), compiler_options=options)  # pyright: ignore[reportCallIssue]
-            ms["kfac, eqx.filter_jit"] = _ms(
-                by_eqx, model, opt.init(params), batches, keys
-            )
-    return ms
+            steps["kfac, eqx.filter_jit"] = (by_eqx, (model, opt.init(params)))
+    return _interleaved(steps, rounds, batches, keys)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--problems", nargs="+", default=list(PROBLEMS))
+    parser.add_argument(
+        "--rounds", type=int, default=7, help="timed rounds of every step (default 7)"
+    )
     args = parser.parse_args()
     print(_machine())
     print(
@@ -120,7 +137,7 @@ def main():
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.problems:
-        ms = measure(name)
+        ms = measure(name, args.rounds)
         print(
             f"| {name} | {ms['adam']:.2f} | {ms['muon']:.2f} | {ms['kfac']:.2f} | "
             f"{ms['kfac, eqx.filter_jit']:.2f} | {ms['kfac donated']:.2f} | "
