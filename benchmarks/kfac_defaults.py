@@ -17,7 +17,9 @@ better of the two in seconds.
 K-FAC is `ef.optim.kfac(lr, like=...)` with every other option at its default,
 through `ef.optim.kfac_step` with FisherMC(1) + KFAC. Seconds are the steady-state
 seconds of the training steps to the target (compilation excluded, reported apart),
-the least of three timings of the same run (`--repeats`).
+the least of three timings of the same run (`--repeats`), taken in three rounds in
+which the three optimisers take turns, so that a slow spell of a shared host does
+not fall on one of them only.
 A run is non-finite when the loss or a parameter becomes NaN/inf.
 
     python benchmarks/kfac_defaults.py                   # the comparison
@@ -219,50 +221,74 @@ def train(step, state0, params, full_loss, indices, keys, lr, target, max_steps)
     return None, elapsed, False
 
 
-def run(name, kind, lrs, options, max_steps, seed, verbose=True, repeats=1):
-    """Each learning rate's run from the same state; a run that reaches the target
-    is timed `repeats` times (the same steps: the minibatches, keys and state are
-    the same) and its least seconds kept."""
-    key = jax.random.key(seed)
-    model, x, y, loss_fn, target = problem(name, key)
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    indices, keys = minibatches(x.shape[0], max_steps, seed)
-    full_loss = eqx.filter_jit(lambda p: loss_fn(eqx.combine(p, static), (x, y)))
-    sample = (x[indices[0]], y[indices[0]])
-    state0, step = make_steps(
-        kind, model, x, y, loss_fn, sample, keys[0], dict(options)
-    )
-    t0 = time.perf_counter()
-    jax.block_until_ready(
-        step(params, state0, indices[0], keys[0], jnp.asarray(lrs[0], jnp.float32))
-    )
-    compile_s = time.perf_counter() - t0
-    full_loss(params)
-    # The first executions of a compiled step are slow on XLA:CPU (K-FAC's inverse
-    # refresh most): ten untimed warm-up steps, so that every timed run is steady.
-    p, s = params, state0
-    for i in range(10):
-        p, s = step(p, s, indices[i], keys[i], jnp.asarray(lrs[0], jnp.float32))
-    jax.block_until_ready(p)
-    rows = []
-    for lr in lrs:
-        reached, secs, nonfinite = train(
-            step, state0, params, full_loss, indices, keys, lr, target, max_steps
+class Runs:
+    """One optimiser on one problem, compiled and warmed up: `sweep` times each
+    learning rate's run once from the same state, `retime` times again the runs
+    that reached the target (the same steps: the minibatches, keys and state are
+    the same) and keeps each one's least seconds."""
+
+    def __init__(self, name, kind, lrs, options, max_steps, seed):
+        self.name, self.kind, self.lrs, self.max_steps = name, kind, lrs, max_steps
+        model, x, y, loss_fn, self.target = problem(name, jax.random.key(seed))
+        self.params, static = eqx.partition(model, eqx.is_inexact_array)
+        self.indices, self.keys = minibatches(x.shape[0], max_steps, seed)
+        self.full_loss = eqx.filter_jit(
+            lambda p: loss_fn(eqx.combine(p, static), (x, y))
         )
-        for _ in range(repeats - 1 if reached is not None else 0):
-            again = train(
-                step, state0, params, full_loss, indices, keys, lr, target, reached
-            )
-            secs = min(secs, again[1]) if again[0] == reached else secs
-        rows.append((lr, reached, secs, nonfinite))
-        if verbose:
-            shown = "-" if reached is None else reached
-            print(
-                f"    {name:12s} {kind:5s} lr={lr:<7g} steps={shown!s:>5} "
-                f"{secs:7.3f} s{'  NON-FINITE' if nonfinite else ''}",
-                flush=True,
-            )
-    return rows, compile_s
+        sample = (x[self.indices[0]], y[self.indices[0]])
+        self.state0, self.step = make_steps(
+            kind, model, x, y, loss_fn, sample, self.keys[0], dict(options)
+        )
+        lr0 = jnp.asarray(lrs[0], jnp.float32)
+        t0 = time.perf_counter()
+        jax.block_until_ready(
+            self.step(self.params, self.state0, self.indices[0], self.keys[0], lr0)
+        )
+        self.compile_s = time.perf_counter() - t0
+        self.full_loss(self.params)
+        # The first executions of a compiled step are slow on XLA:CPU (K-FAC's
+        # inverse refresh most): ten untimed warm-up steps, so that every timed
+        # run is steady.
+        p, s = self.params, self.state0
+        for i in range(10):
+            p, s = self.step(p, s, self.indices[i], self.keys[i], lr0)
+        jax.block_until_ready(p)
+        self.rows = []
+
+    def _train(self, lr, max_steps):
+        return train(
+            self.step,
+            self.state0,
+            self.params,
+            self.full_loss,
+            self.indices,
+            self.keys,
+            lr,
+            self.target,
+            max_steps,
+        )
+
+    def sweep(self, verbose=True):
+        """`rows`: `(lr, steps or None, seconds, non-finite?)` for each rate."""
+        for lr in self.lrs:
+            reached, secs, nonfinite = self._train(lr, self.max_steps)
+            self.rows.append((lr, reached, secs, nonfinite))
+            if verbose:
+                shown = "-" if reached is None else reached
+                print(
+                    f"    {self.name:12s} {self.kind:5s} lr={lr:<7g} "
+                    f"steps={shown!s:>5} {secs:7.3f} s"
+                    f"{'  NON-FINITE' if nonfinite else ''}",
+                    flush=True,
+                )
+
+    def retime(self):
+        for i, (lr, reached, secs, nonfinite) in enumerate(self.rows):
+            if reached is None:
+                continue
+            again = self._train(lr, reached)
+            if again[0] == reached:
+                self.rows[i] = (lr, reached, min(secs, again[1]), nonfinite)
 
 
 def best(rows):
@@ -272,23 +298,29 @@ def best(rows):
 
 def compare(max_steps, seed, problems, options, repeats=1):
     """K-FAC at its defaults against the better of Adam and Muon (each with its
-    learning rate swept) in steady-state seconds to the target (the least of
-    `repeats` timings of each run that reaches it)."""
+    learning rate swept) in steady-state seconds to the target: the least of
+    `repeats` timings of each run that reaches it, the optimisers taking turns (a
+    round of every run of each, `repeats` rounds), so that a slow spell of the
+    host falls on all three alike."""
     print(_machine(), f"repeats {repeats}")
     table = []
     for name in problems:
-        results = {}
-        for kind, lrs in (("kfac", KFAC_LRS), ("adam", ADAM_LRS), ("muon", MUON_LRS)):
-            results[kind] = run(
-                name,
-                kind,
-                lrs,
-                options if kind == "kfac" else {},
-                max_steps,
-                seed,
-                repeats=repeats,
+        runs = {
+            kind: Runs(
+                name, kind, lrs, options if kind == "kfac" else {}, max_steps, seed
             )
-        table.append((name, results))
+            for kind, lrs in (
+                ("kfac", KFAC_LRS),
+                ("adam", ADAM_LRS),
+                ("muon", MUON_LRS),
+            )
+        }
+        for r in runs.values():
+            r.sweep()
+        for _ in range(repeats - 1):
+            for r in runs.values():
+                r.retime()
+        table.append((name, {k: (r.rows, r.compile_s) for k, r in runs.items()}))
     print()
     print(
         "| problem | Adam best lr: steps, s | Muon best lr: steps, s | K-FAC best lr: "
