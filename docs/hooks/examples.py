@@ -253,11 +253,11 @@ def _demo_page(run: Run) -> str:
         "(`benchmarks/kfac_defaults.py`), and reports the steps and the "
         "steady-state seconds each needs to reach a training loss of 0.15, with "
         "the first call's compile time in a column of its own. K-FAC takes about "
-        "an eighth of Adam's steps and a sixth of Muon's, and a quarter to a third "
-        "of their seconds; its step compiles about four times as long as Adam's "
-        "(jax 0.10 on the CPU), which on a run "
+        "an eighth of Adam's steps and a sixth of Muon's, and a sixth to a half "
+        "of their seconds; its step compiles two to three times as long as Adam's "
+        "and about as long as Muon's (jax 0.10 on the CPU), which on a run "
         'this short is more than the training (`benchmarks/RESULTS.md`, "Issue 26, '
-        'sixth session"). '
+        'tenth session" and "twenty-first session"). '
         "All three overfit this small training set (331 examples) by the end of "
         "the run: the test loss is the last column. It is the README's first "
         "command:",
