@@ -59,8 +59,12 @@ def test_laplace_digits():
     assert r["clean"]["Laplace last layer"]["accuracy"] >= (
         r["clean"]["MAP"]["accuracy"] - 0.02
     )
-    # log det(N·C + δ·I) = P·log N + logdet(C, δ/N), against a dense slogdet.
-    assert r["logdet_via_curvature"] == pytest.approx(r["logdet_direct"], rel=1e-4)
+    # log det(N·C + δ·I) = P·log N + logdet(C, δ/N), against a dense slogdet. In
+    # float32 both sides sum the logarithms of hundreds of eigenvalues, rounded
+    # differently: 0.8e-5 and 1.7e-5 apart run alone (default and one BLAS
+    # thread), 1.15e-4 once in CI's parallel run, where rel=1e-4 failed. A wrong
+    # convention moves the sum by P·log N, thousands of times more.
+    assert r["logdet_via_curvature"] == pytest.approx(r["logdet_direct"], rel=1e-3)
 
 
 def test_ewc_split_digits():
