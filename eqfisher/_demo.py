@@ -161,7 +161,9 @@ def run_demo(steps: int, out: pathlib.Path, seed: int, batch_size: int = 256) ->
         ("Adam", adam, first_order(adam)),
         ("Muon", muon, first_order(muon)),
     ):
-        with tqdm(total=steps, desc=f"{name:>16}", unit="step") as bar:
+        # Bars only on a terminal (`disable=None`): written to a log or a pipe,
+        # every update would be one more carriage-return segment of one long line.
+        with tqdm(total=steps, desc=f"{name:>16}", unit="step", disable=None) as bar:
             runs.append(
                 _train(name, model, opt, fn, train, steps, batch_size, seed, bar)
             )

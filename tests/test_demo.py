@@ -45,3 +45,16 @@ def test_demo_plot_labels_the_target(tmp_path, monkeypatch):
         assert labels == ["K-FAC (eqfisher)", f"target loss {_demo.TARGET_LOSS}"]
     monkeypatch.undo()
     plt.close(fig)
+
+
+def test_demo_writes_no_progress_bars_to_a_log(tmp_path, capsys):
+    # Output captured (not a terminal): the table only, not 100 bar updates per
+    # optimiser joined by carriage returns.
+    out = tmp_path / "plot.png"
+    with jax.enable_x64(False), jax.numpy_dtype_promotion("standard"):
+        argv = ["demo", "--steps", "3", "--out", str(out), "--seed", "1"]
+        assert internal.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "steps to loss 0.15" in captured.out
+    assert "\r" not in captured.out + captured.err
+    assert "step/s" not in captured.out + captured.err
