@@ -111,7 +111,9 @@ def _train(name, model, opt, step_fn, train, steps, batch_size, seed, bar) -> Ru
         run.steps.append(step)
         run.seconds.append(elapsed)
         run.losses.append(float(evaluate(model, train)))
-        bar.set_postfix(loss=f"{run.losses[-1]:.4f}")
+        # Redrawn at tqdm's own pace (`mininterval`), not at every step: a log or
+        # a pipe gets a few carriage-return segments per bar, not one per step.
+        bar.set_postfix(loss=f"{run.losses[-1]:.4f}", refresh=False)
         bar.update(1)
     run.model = model
     return run
@@ -161,9 +163,7 @@ def run_demo(steps: int, out: pathlib.Path, seed: int, batch_size: int = 256) ->
         ("Adam", adam, first_order(adam)),
         ("Muon", muon, first_order(muon)),
     ):
-        # Bars only on a terminal (`disable=None`): written to a log or a pipe,
-        # every update would be one more carriage-return segment of one long line.
-        with tqdm(total=steps, desc=f"{name:>16}", unit="step", disable=None) as bar:
+        with tqdm(total=steps, desc=f"{name:>16}", unit="step") as bar:
             runs.append(
                 _train(name, model, opt, fn, train, steps, batch_size, seed, bar)
             )
