@@ -253,7 +253,7 @@ class Runs:
         for i in range(10):
             p, s = self.step(p, s, self.indices[i], self.keys[i], lr0)
         jax.block_until_ready(p)
-        self.rows = []
+        self.rows: list = []
 
     def _train(self, lr, max_steps):
         return train(
@@ -269,7 +269,9 @@ class Runs:
         )
 
     def sweep(self, verbose=True):
-        """`rows`: `(lr, steps or None, seconds, non-finite?)` for each rate."""
+        """`rows`: `(lr, steps or None, seconds, non-finite?)` for each rate (a
+        second sweep replaces the first's)."""
+        self.rows = []
         for lr in self.lrs:
             reached, secs, nonfinite = self._train(lr, self.max_steps)
             self.rows.append((lr, reached, secs, nonfinite))
