@@ -454,9 +454,13 @@ def shift_rows(
             )
             # Shaped as rows before a step is taken: the builder stacks the steps'
             # rows again (`Builder._run_blocks`), which XLA then reads as the same
-            # array, not a copy of each step.
+            # array, not a copy of each step. The barrier makes the rows one array
+            # first: without it jaxlib 0.12's XLA:CPU, from 12 steps on, slices
+            # each step's rows out of the vectorised sums (whose sample axis
+            # comes first) and copies them into the stack, 2 kernels a step to
+            # compile and run.
             per_step = [
-                p.reshape((length, -1) + unit_shapes[i])
+                jax.lax.optimization_barrier(p.reshape((length, -1) + unit_shapes[i]))
                 for p, i in zip(per_step, first.param_indices)
             ]
             for r in uses:
