@@ -21,6 +21,7 @@ from ._state import (
     check_range,
     checked_at,
     choose_tree,
+    float_type,
     is_constant,
     like_mismatch,
     require_estimate,
@@ -75,8 +76,9 @@ def fold(
         )
     finite = all_finite(curvature)
     n_good = state.curvature_count + finite.astype(jnp.int32)
-    # The time-varying decay makes this the bias-corrected average of each factor.
-    t = n_good.astype(jnp.float32)
+    # The time-varying decay makes this the bias-corrected average of each factor,
+    # its weights in the curvature's precision (float64 for float64 factors).
+    t = n_good.astype(float_type(jax.tree_util.tree_leaves(curvature)))
     d = decay * (1 - decay ** (t - 1)) / (1 - decay**t)
     d = jnp.clip(jnp.where(n_good > 1, d, 0.0), 0.0, 1.0)
     with scalars_checked():  # `d` is clipped to [0, 1]
@@ -171,8 +173,9 @@ def precondition(updates: PyTree, state: KFACState) -> PyTree:
 
 
 def _constrain(direction, grads, constraint, learning_rate) -> tuple[PyTree, Array]:
-    """`direction` Δ scaled so that lr²·Δᵀg ≤ `constraint` (Δᵀg ≈ ΔᵀCΔ: the step's
-    squared length in the curvature metric), as kfac_jax's `norm_constraint`, and
+    """`direction` Δ scaled by min(1, √(`constraint` / (lr²·Δᵀg))), so that the
+    step's squared length in the curvature metric, lr²·ΔᵀCΔ (= lr²·Δᵀg before the
+    scaling, Δ = C⁻¹g), is at most `constraint`, as kfac_jax's `norm_constraint`; and
     whether the result is finite (for `guard`). Δᵀg, one reduction per leaf, is
     the test: a NaN or inf in Δ makes it non-finite (inf · 0 is NaN), and the
     scaled Δ is finite when it is (an overflowing Δᵀg gives scale 0)."""
@@ -232,9 +235,12 @@ def kfac_preconditioner(
     - `damping_variant`: `FactoredTikhonov()` (default, π-damping as kfac_jax)
       or `Tikhonov()` (exact $(\bar C + \lambda I)^{-1}$ for the averaged K-FAC
       matrix).
-    - `norm_constraint`: $c > 0$ or `None`: the direction $\Delta$ is scaled down so
-      that $\text{lr}^2 \Delta^\top g \le c$, a trust region on the step's length in
-      the curvature metric (kfac_jax's `norm_constraint`). On by default: it keeps
+    - `norm_constraint`: $c > 0$ or `None`: the direction $\Delta$ is scaled by
+      $\min\bigl(1, \sqrt{c / (\text{lr}^2 \Delta^\top g)}\bigr)$, so that the
+      step's squared length in the curvature metric $C$ (the damped average),
+      $\text{lr}^2 \Delta^\top C \Delta$, is at most $c$ (for $\Delta = C^{-1} g$,
+      $\Delta^\top C \Delta = \Delta^\top g$): a trust region, as kfac_jax's
+      `norm_constraint`. On by default: it keeps
       large learning rates finite early on, when the curvature is poorly known.
     - `learning_rate`: the rate the caller applies afterwards (a float or an optax
       schedule), used only by `norm_constraint`.
