@@ -97,13 +97,20 @@ def test_norm_constraint_bounds_the_step_in_the_curvature_metric(constraint):
     opt = optim.kfac_preconditioner(
         like=_like(), damping=0.1, norm_constraint=constraint, learning_rate=lr
     )
-    got, _ = opt.update(grads, opt.init(params), params, curvature=curv)
+    got, state = opt.update(grads, opt.init(params), params, curvature=curv)
     d, g = (jax.flatten_util.ravel_pytree(t)[0] for t in (direction, grads))
     scale = min(1.0, np.sqrt(constraint / (lr**2 * float(d @ g))))
     assert (scale < 1.0) == (constraint < 1.0)
-    np.testing.assert_allclose(
-        jax.flatten_util.ravel_pytree(got)[0], scale * d, rtol=1e-10, atol=1e-14
-    )
+    step = jax.flatten_util.ravel_pytree(got)[0]
+    np.testing.assert_allclose(step, scale * d, rtol=1e-10, atol=1e-14)
+    # The step's squared length in the damped curvature's metric C (the inverse
+    # of the cached one): lr² ΔᵀCΔ = c where the constraint binds.
+    metric = np.linalg.inv(np.asarray(state.inverse.as_matrix()))
+    length = lr**2 * float(step @ metric @ step)
+    if scale < 1.0:
+        np.testing.assert_allclose(length, constraint, rtol=1e-8)
+    else:
+        assert length <= constraint
 
 
 def test_factored_damping_trains():
