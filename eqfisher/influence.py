@@ -186,13 +186,17 @@ class ConjugateGradient(AbstractInverse):
         return lx.linear_solve(damped, b, solver, throw=False).value
 
 
-def _gradient_fn(loss_fn: Callable, model: PyTree, where) -> Callable:
+def _gradient_fn(loss_fn: Callable, model: PyTree, where, caller: str) -> Callable:
     """`example -> ∇ℓ(example)` over the selected parameters (others `None`)."""
     params, static = eqx.partition(model, eqx.is_inexact_array)
     if where is None:
         selected = jax.tree_util.tree_map(lambda p: True, params)
     else:
-        selected = filters.optax_mask(model, where)
+        try:
+            selected = filters.optax_mask(model, where)
+        except ValueError as e:
+            e.add_note(f"(from `eqfisher.influence.{caller}(..., where=...)`)")
+            raise
     theta = jax.tree_util.tree_map(lambda p, s: p if s else None, params, selected)
     rest = jax.tree_util.tree_map(lambda p, s: None if s else p, params, selected)
 
@@ -278,7 +282,7 @@ def influence_scores(
         print(scores.shape)  # (2, 32): every query against every training example
         ```
     """
-    grad = _gradient_fn(loss_fn, model, where)
+    grad = _gradient_fn(loss_fn, model, where, "influence_scores")
     if query_rank is not None and query_rank < 1:
         raise ValueError(
             "`eqfisher.influence.influence_scores(..., query_rank=...)` must be a "
@@ -331,7 +335,7 @@ def self_influence(
         assert jnp.allclose(scores, jnp.diagonal(pairs), rtol=1e-4)
         ```
     """
-    grad = _gradient_fn(loss_fn, model, where)
+    grad = _gradient_fn(loss_fn, model, where, "self_influence")
 
     def one(example):
         g = grad(example)

@@ -186,3 +186,14 @@ def test_low_rank_query_gradients(rank):
     if rank == 5:  # full rank for every weight here (5 hidden units)
         exact = inf.influence_scores(loss_fn, model, train, query, inverse)
         np.testing.assert_allclose(got, exact, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("which", ["influence_scores", "self_influence"])
+def test_a_where_selecting_nothing_is_refused_in_the_callers_words(which):
+    model, train, query = setup()
+    inverse = inf.Identity()
+    nothing = ef.filters.by_path("no_such_layer.*")
+    args = (train, query) if which == "influence_scores" else (train,)
+    with pytest.raises(ValueError, match="selects no parameter") as info:
+        getattr(inf, which)(loss_fn, model, *args, inverse, where=nothing)
+    assert f"eqfisher.influence.{which}(..., where=...)" in info.value.__notes__[0]
