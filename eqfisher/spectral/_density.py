@@ -79,8 +79,14 @@ class Quadrature(eqx.Module):
 
         **Returns:**
 
-        `(grid, density)`, both of shape `(points,)`; the density integrates to
-        about one over the grid.
+        `(grid, density)`, both of shape `(points,)`. The density integrates to
+        one over the real line; over the grid, to less where the bumps of the
+        extreme nodes reach past it. They are wide with few Lanczos steps (a
+        bump's standard deviation is $2 / \bigl((m - 1) \sqrt{8 \ln \kappa}\bigr)$
+        of the grid's half-width for $m$ steps): the density of a rank-deficient
+        GGN, much of its mass at the grid's edge, kept 0.61 of it over the grid
+        at 3 steps and 0.995 at 20, with the defaults. A larger `margin` keeps
+        more.
         """
         _check_shape("eqfisher.spectral.Quadrature.density", points, kappa, margin)
         low, high = self._boundaries(self.nodes, boundaries)
