@@ -94,6 +94,13 @@ def empirical_fisher_operator(
     positive-semidefinite lineax operator on PyTrees like `eqx.filter(model,
     eqx.is_inexact_array)`.
 
+    As for `eqfisher.EmpiricalFisher`, $\ell_n$ is example $n$'s loss: its entries
+    along the other axes of a registered loss (a sequence's $T$ positions) are
+    summed before the outer product, and several registered losses add their
+    matrices. The example axis is each registered loss's first; for outputs laid
+    out otherwise (time-major, say), use `eqfisher.curvature(...,
+    estimator=eqfisher.EmpiricalFisher(), examples=...)`.
+
     **Raises:**
 
     `ValueError` when `loss_fn` registers no loss, or its value is not affine in
@@ -108,9 +115,13 @@ def empirical_fisher_operator(
     """
 
     def weigh(loss, t):
+        # Example n's gradient pulls back its entries' √w-weighted output
+        # gradients, uₙ = Σₜ √wₙₜ Jₙₜᵀ rₙₜ; Σₙ uₙ (uₙᵀ v) pulls back
+        # √wₙₜ rₙₜ (uₙᵀ v), with uₙᵀ v = Σₜ √wₙₜ rₙₜ · (J v)ₙₜ.
         r = loss.family.output_gradient(loss.inputs, loss.targets)
-        w = loss.weights()[..., None]
-        return w * r * jnp.sum(r * t, axis=-1, keepdims=True)
+        r = r * jnp.sqrt(loss.weights())[..., None]
+        along = jnp.sum((r * t).reshape(r.shape[0], -1), axis=1)
+        return r * along.reshape((-1,) + (1,) * (r.ndim - 1))
 
     return _output_product(
         loss_fn, model, batch, "eqfisher.empirical_fisher_operator", weigh

@@ -149,3 +149,66 @@ def test_cg_with_damping_on_ggn_operator():
     # And it agrees with the structured curvature's exact solve.
     curv = curv_for(loss, ef.GGN(), ef.Dense())
     assert tree_allclose(curv.solve(g, DAMPING), x, rtol=1e-8, atol=1e-10)
+
+
+class _TwoHeads(eqx.Module):
+    """A token classifier and a per-sequence regression head on one encoder."""
+
+    encoder: eqx.nn.Linear
+    tokens: eqx.nn.Linear
+    value: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.encoder = eqx.nn.Linear(3, 4, dtype=jnp.float64, key=k1)
+        self.tokens = eqx.nn.Linear(4, 3, dtype=jnp.float64, key=k2)
+        self.value = eqx.nn.Linear(4, 2, dtype=jnp.float64, key=k3)
+
+    def __call__(self, x):  # (T, 3) -> (T, 3) logits, (2,) value
+        h = jnp.tanh(jax.vmap(self.encoder)(x))
+        return jax.vmap(self.tokens)(h), self.value(h.mean(0))
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_empirical_fisher_operator_sums_an_examples_positions(heads):
+    # Example n's gradient in a registered loss is that of its whole loss there,
+    # every position with its weight (uₙ = Σₜ √wₙₜ ∇(entry)), and the registered
+    # losses add their matrices (`EmpiricalFisher()`'s "What an estimator
+    # computes": vectors per registered loss).
+    n, t = 5, 4
+    model = _TwoHeads(jax.random.key(0))
+    kx, ky, kv = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(kx, (n, t, 3), jnp.float64)
+    y = jax.random.randint(ky, (n, t), 0, 3)
+    target = jax.random.normal(kv, (n, 2), jnp.float64)
+    mask = jnp.arange(t)[None, :] < jnp.array([4, 2, 3, 4, 1])[:, None]
+    batch = (x, y, mask, target)
+
+    def loss_fn(model, batch):
+        x, y, mask, target = batch
+        logits, values = jax.vmap(model)(x)
+        loss = ef.softmax_cross_entropy(logits, y, mask=mask)
+        return loss + ef.squared_error(values, target) if heads == 2 else loss
+
+    flat, rebuild = ravelled(model)
+
+    def tokens(f, x, y, mask, target):  # one example's masked token losses
+        logits, _ = rebuild(f)(x)
+        ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1)[:, 0]
+        return jnp.sum(jnp.where(mask, ce, 0.0))
+
+    def value(f, x, y, mask, target):  # ½‖·‖², a mean over the n examples
+        return 0.5 * jnp.sum((rebuild(f)(x)[1] - target) ** 2)
+
+    per_example = ft.partial(jax.vmap, in_axes=(None, 0, 0, 0, 0))
+    u = per_example(jax.grad(tokens))(flat, *batch) / jnp.sqrt(mask.sum())
+    expected = np.asarray(u.T @ u)
+    if heads == 2:
+        u = per_example(jax.grad(value))(flat, *batch) / jnp.sqrt(n)
+        expected = expected + np.asarray(u.T @ u)
+    got = ef.empirical_fisher_operator(loss_fn, model, batch).as_matrix()
+    np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-14)
+    curv = ef.curvature(
+        loss_fn, model, batch, estimator=ef.EmpiricalFisher(), structure=ef.Dense()
+    )
+    np.testing.assert_allclose(curv.as_matrix(), expected, rtol=1e-10, atol=1e-14)
