@@ -510,3 +510,49 @@ def test_grouped_convolution_advice_works():
     )
     assert isinstance(mixed.blocks["conv"], ef.blocks.DiagonalBlock)
     assert isinstance(mixed.blocks["head"], ef.blocks.KroneckerFactored)
+
+
+@pytest.mark.parametrize(
+    "structure", [ef.Dense(), ef.BlockDiagonal(), ef.Diagonal(), ef.KFAC(), ef.EKFAC()]
+)
+@pytest.mark.parametrize("damping", [0.0, -1e-3])
+def test_solve_and_logdet_refuse_a_damping_that_is_not_positive(structure, damping):
+    # A softmax GGN over 6 examples of 4 classes has rank at most 6 · 3 = 18 of its
+    # 44 parameters:
+    # C + 0·I is singular, so `solve` and `logdet` need λ > 0 (as documented).
+    model, batch = _problem()
+    curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=structure)
+    grads = eqx.filter_grad(loss_fn)(model, batch)
+    with pytest.raises(ValueError, match="`damping` must be positive"):
+        curv.solve(grads, damping)
+    with pytest.raises(ValueError, match="`damping` must be positive"):
+        curv.logdet(damping)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="`damping` must be positive"):
+        eqx.filter_jit(lambda c, d: c.solve(grads, d))(curv, jnp.asarray(damping))
+
+
+def test_labels_out_of_range_are_refused_where_they_are_read():
+    # docs/losses.md: the loss, `value_grad_and_curvature` and the empirical
+    # Fisher read the labels and refuse a class id outside [0, classes); the GGN
+    # does not read them, and is the same for any labels.
+    model, (x, y) = _problem()
+    bad = y.at[2].set(CLASSES + 1)
+    with pytest.raises(ValueError, match=r"class ids in \[0, 4\)"):
+        loss_fn(model, (x, bad))
+    with pytest.raises(eqx.EquinoxRuntimeError, match=r"class ids in \[0, 4\)"):
+        _vgc()(model, (x, bad))
+    with pytest.raises(eqx.EquinoxRuntimeError, match=r"class ids in \[0, 4\)"):
+        ef.curvature(
+            loss_fn,
+            model,
+            (x, bad),
+            estimator=ef.EmpiricalFisher(),
+            structure=ef.Dense(),
+        ).as_matrix()
+
+    def ggn(labels):
+        return ef.curvature(
+            loss_fn, model, (x, labels), estimator=ef.GGN(), structure=ef.Dense()
+        ).as_matrix()
+
+    np.testing.assert_array_equal(ggn(bad), ggn(y))

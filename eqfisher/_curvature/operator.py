@@ -186,7 +186,9 @@ class Curvature(lx.AbstractLinearOperator):
         **Arguments:**
 
         - `vector`: a PyTree shaped like the parameters (a gradient).
-        - `damping`: $\lambda \ge 0$, added to every eigenvalue.
+        - `damping`: $\lambda > 0$, added to every eigenvalue ($C$ is only
+          positive-semidefinite: a GGN or Fisher of fewer outputs than parameters
+          is singular).
 
         **Returns:**
 
@@ -195,7 +197,8 @@ class Curvature(lx.AbstractLinearOperator):
         **Raises:**
 
         `ValueError` when `vector`'s leaves do not have the parameters' shapes, or
-        when `damping` is negative (a concrete value) or not a scalar.
+        when `damping` is not a positive scalar (Equinox's runtime error for a
+        traced one).
 
         !!! Example
 
@@ -281,6 +284,10 @@ class Curvature(lx.AbstractLinearOperator):
     def logdet(self, damping: ScalarLike) -> Float[Array, ""]:
         r"""$\log \det(C + \text{damping} \cdot I)$, the sum of the blocks' (K-FAC's
         from its factors' eigenvalues; no dense matrix is formed).
+
+        **Raises:**
+
+        `ValueError` when `damping` is not a positive scalar (as `solve`).
 
         !!! Example
 
