@@ -78,7 +78,12 @@ def fold(
     n_good = state.curvature_count + finite.astype(jnp.int32)
     # The time-varying decay makes this the bias-corrected average of each factor,
     # its weights in the curvature's precision (float64 for float64 factors).
-    t = n_good.astype(float_type(jax.tree_util.tree_leaves(curvature)))
+    floats = [
+        x
+        for x in jax.tree_util.tree_leaves(curvature)
+        if jnp.issubdtype(x.dtype, jnp.floating)
+    ]
+    t = n_good.astype(float_type(floats) if floats else jnp.float32)
     d = decay * (1 - decay ** (t - 1)) / (1 - decay**t)
     d = jnp.clip(jnp.where(n_good > 1, d, 0.0), 0.0, 1.0)
     with scalars_checked():  # `d` is clipped to [0, 1]
