@@ -556,3 +556,33 @@ def test_labels_out_of_range_are_refused_where_they_are_read():
         ).as_matrix()
 
     np.testing.assert_array_equal(ggn(bad), ggn(y))
+
+
+def test_a_derivative_through_the_curvature_is_refused():
+    # The statistics hold the estimator's vectors constant, so a derivative of a
+    # curvature in the parameters would be wrong: refused, naming the way out.
+    model, batch = _problem()
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+
+    def logdet(params, damping):
+        curv = ef.curvature(
+            loss_fn,
+            eqx.combine(params, static),
+            batch,
+            estimator=ef.GGN(),
+            structure=ef.KFAC(),
+        )
+        return curv.logdet(damping)
+
+    with pytest.raises(ValueError, match=r"`eqfisher.curvature`: the curvature is not"):
+        jax.grad(logdet)(params, 0.1)
+    with pytest.raises(ValueError, match=r"jax.lax.stop_gradient\(model\)"):
+        jax.jvp(ft.partial(logdet, damping=0.1), (params,), (params,))
+    # A derivative that does not reach the curvature's arrays is unaffected: in
+    # the damping, d logdet / dλ = tr((C + λI)⁻¹); with the model held constant.
+    curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+    dense = np.asarray(curv.as_matrix())
+    inverse_trace = np.trace(np.linalg.inv(dense + 0.1 * np.eye(len(dense))))
+    np.testing.assert_allclose(jax.grad(logdet, 1)(params, 0.1), inverse_trace)
+    held = jax.grad(lambda p: logdet(jax.lax.stop_gradient(p), 0.1))(params)
+    assert all(not np.any(x) for x in jax.tree_util.tree_leaves(held))

@@ -10,9 +10,12 @@ the blocks (`_blocks`, from each group's `_statistics`) and the `Curvature`
 (`_assemble`).
 """
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 from jaxtyping import PyTree
 
 from .. import filters
@@ -187,6 +190,10 @@ class Builder(eqx.Module):
         blocks = self._blocks(grouping, needs, forward.processed, statistics)
         params = eqx.filter(forward.model, eqx.is_inexact_array)
         curv = _assemble(params, blocks, grouping, forward.processed, forward.selected)
+        leaves, tree = jax.tree_util.tree_flatten(curv)
+        curv = jax.tree_util.tree_unflatten(
+            tree, _not_differentiable(self.caller, leaves)
+        )
         return curv, main
 
     def _main_pass(self, forward: Linearised, key) -> MainPass:
@@ -309,6 +316,34 @@ class Builder(eqx.Module):
         if not parts:
             return {}
         return self.examples.rows(self.staged, self.estimator, main, parts)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _not_differentiable(caller: str, leaves: list) -> list:
+    """The curvature's arrays, refusing a derivative through them: the statistics
+    treat the estimator's vectors as constants (`loss_vectors`' stop_gradient,
+    which K-FAC's statistics want), so a derivative in the parameters or the batch
+    would be wrong. A derivative that does not reach them (in a damping, a prior
+    precision) is unaffected."""
+    return leaves
+
+
+def _refuse_tangents(caller: str, primals, tangents):
+    (leaves,), (tangents,) = primals, tangents
+    if not all(isinstance(t, SymbolicZero) for t in tangents):
+        raise ValueError(
+            f"`{caller}`: the curvature is not differentiable in the model's "
+            "parameters or the batch: its statistics hold the estimator's vectors "
+            "constant, so a derivative through them would be wrong. To use the "
+            "curvature as a constant (a preconditioner, a posterior's precision), "
+            "pass `jax.lax.stop_gradient(model)` (and the batch); for derivatives "
+            "of curvature products, differentiate `eqfisher.ggn_operator(...).mv` "
+            "or `jax.hessian`."
+        )
+    return leaves, tangents
+
+
+_not_differentiable.defjvp(_refuse_tangents, symbolic_zeros=True)
 
 
 def _check_examples(losses, caller: str) -> None:
