@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from ... import _compat
 from ..._stop_hessian import hessian_stopped_p
-from ...losses import loss_value_tag_p
+from ...losses import loss_tag_p, loss_value_tag_p
 from ..program import Const, Program
 
 
@@ -123,8 +123,8 @@ def propagate(jaxpr, in_labels: Sequence[Label]) -> list[Label]:
     return [read(v) for v in jaxpr.outvars]
 
 
-def output_label(program: Program, num_params: int, output: int) -> Label:
-    """The label of the program's `output`-th output."""
+def _labelled(program: Program, num_params: int):
+    """`read(var) -> Label` over the whole program."""
     env = {
         id(v): Label(frozenset({i})) for i, v in enumerate(program.invars[:num_params])
     }
@@ -137,7 +137,12 @@ def output_label(program: Program, num_params: int, output: int) -> Label:
         for v, lab in zip(node.outs, _eqn_labels(node.eqn, labels)):
             if v is not None:
                 env[id(v)] = lab
-    return read(program.outvars[output])
+    return read
+
+
+def output_label(program: Program, num_params: int, output: int) -> Label:
+    """The label of the program's `output`-th output."""
+    return _labelled(program, num_params)(program.outvars[output])
 
 
 def check_objective(
@@ -152,7 +157,9 @@ def check_objective(
     """Raises `ValueError` when the returned value is not affine in the registered
     losses' values, or (unless `outside_terms`) depends on parameters other than
     through them."""
-    label = output_label(program, num_params, output)
+    read = _labelled(program, num_params)
+    label = read(program.outvars[output])
+    _check_tag_operands(program, read, paths, caller)
     if label.values == OTHER:
         raise ValueError(
             f"`{caller}`: the value `loss_fn` returns depends nonlinearly on its "
@@ -174,3 +181,26 @@ def check_objective(
             "`curv.solve(g, damping + λ)`), or wrap it in `eqfisher.stop_hessian` to "
             "keep its gradient and drop its curvature."
         )
+
+
+def _check_tag_operands(program: Program, read, paths: Sequence[str], caller: str):
+    """Raises `ValueError` when a registered loss's targets or mask depend on the
+    parameters: the curvature takes them as data, so the value's curvature would
+    differ from what eqfisher computes (a self-distillation target computed from
+    the model's outputs, say)."""
+    for node in program.nodes:
+        if node.eqn.primitive is not loss_tag_p:
+            continue
+        for name, operand in zip(("targets", "mask"), node.operands[1:]):
+            params = read(operand).params
+            if not params:
+                continue
+            names = ", ".join(paths[i].lstrip(".") or "(root)" for i in sorted(params))
+            raise ValueError(
+                f"`{caller}`: a registered loss's {name} depend on parameters "
+                f"({names}); eqfisher's curvature takes targets and masks as data, "
+                "so it would not be the curvature of the value `loss_fn` returns. "
+                f"Hold them constant with `jax.lax.stop_gradient(...)` (a "
+                "self-distillation target, say), or compute them outside "
+                "`loss_fn`."
+            )
