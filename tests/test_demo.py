@@ -23,7 +23,20 @@ def test_demo_smoke(tmp_path, capsys):
 def test_demo_rejects_bad_steps(capsys):
     with pytest.raises(SystemExit):
         internal.main(["demo", "--steps", "0"])
-    assert "--steps must be positive" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--steps must be positive" in err
+    assert "usage: eqfisher demo" in err  # the demo's own usage
+
+
+def test_demo_rejects_a_plot_file_matplotlib_cannot_write_before_training(
+    tmp_path, capsys, monkeypatch
+):
+    import eqfisher._demo as demo
+
+    monkeypatch.setattr(demo, "run_demo", lambda *a: pytest.fail("trained"))
+    with pytest.raises(SystemExit):
+        internal.main(["demo", "--out", str(tmp_path / "plot.txt")])
+    assert "matplotlib writes no .txt file" in capsys.readouterr().err
 
 
 def test_demo_plot_labels_the_target(tmp_path, monkeypatch):

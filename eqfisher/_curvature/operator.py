@@ -244,7 +244,7 @@ class Curvature(lx.AbstractLinearOperator):
         if gib > max_gib:
             raise ValueError(
                 f"`Curvature.as_matrix()`: the {offsets[-1]:,}² matrix would take "
-                f"{gib:.2f} GiB, above `max_gib` = {max_gib}. Use `mv`, `solve`, "
+                f"{gib:.3g} GiB, above `max_gib` = {max_gib}. Use `mv`, `solve`, "
                 "`diagonal`, `logdet`, or one block's `curv.blocks[name].as_matrix()`"
                 "; or raise the limit with `as_matrix(max_gib=...)`."
             )

@@ -35,7 +35,7 @@ class Dense(AbstractStructure):
         if gib > self.max_gib:
             raise ValueError(
                 f"`eqfisher.Dense()`: the dense matrix over "
-                f"{sum(sizes):,} parameters would take {gib:.2f} GiB, above "
+                f"{sum(sizes):,} parameters would take {gib:.3g} GiB, above "
                 f"`max_gib` = {self.max_gib}. Use structure=eqfisher.KFAC(), "
                 "BlockDiagonal() or Diagonal(), select fewer parameters with "
                 "`where=`, use the matrix-free eqfisher.ggn_operator, or raise the "
