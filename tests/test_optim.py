@@ -965,3 +965,14 @@ def test_signatures_show_the_measured_defaults():
     assert isinstance(graft, optax.GradientTransformation)
     # `optax.scale_by_adam()`: its state is Adam's.
     assert isinstance(graft.init({"w": jnp.zeros(2)}), optax.ScaleByAdamState)
+
+
+def test_the_model_passed_for_params_is_refused_naming_the_filter():
+    model, batch = _problem()
+    opt = optim.kfac(0.1, like=_like())
+    with pytest.raises(TypeError, match=r"init\(params\)`.*eqx.filter\(model"):
+        opt.init(model)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    _, grads, curv = VGC(model, batch)
+    with pytest.raises(TypeError, match=r"update\(updates, state, params\)`"):
+        opt.update(grads, opt.init(params), model, curvature=curv)

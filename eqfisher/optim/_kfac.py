@@ -31,6 +31,22 @@ from ._state import (
 )
 
 
+def _check_params(caller: str, call: str, params: PyTree) -> None:
+    """Refuses `params` with leaves that are not arrays (the model passed whole:
+    its activations and other static fields), naming the fix."""
+    paths = [
+        jax.tree_util.keystr(path)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float))
+    ]
+    if paths:
+        raise TypeError(
+            f"`eqfisher.optim.{caller}(...).{call}`: `params` must hold arrays only, "
+            f"but has a non-array leaf at {paths[0]}; pass the parameters, "
+            "`eqx.filter(model, eqx.is_inexact_array)`, not the model."
+        )
+
+
 def _invert(avg: Curvature, lam: Array, damping: AbstractDamping) -> Curvature:
     # `lam` was checked when it was read (`damping_at`).
     with scalars_checked():
@@ -347,7 +363,7 @@ def _preconditioner(
         return checked_at(caller, "damping", lam, lam, allow_zero=False)
 
     def init(params):
-        del params
+        _check_params(caller, "init(params)", params)
         return initial_state(
             like, damping_at(jnp.zeros((), jnp.int32)), damping_variant
         )
@@ -359,7 +375,9 @@ def _preconditioner(
     def update(
         updates, state, params=None, *, curvature=None, curvature_due=None, **extra
     ):
-        del params, extra
+        del extra
+        if params is not None:
+            _check_params(caller, "update(updates, state, params)", params)
         updates, state = receive(
             caller, updates, state, curvature, curvature_due, fold_in
         )
