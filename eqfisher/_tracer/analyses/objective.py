@@ -192,7 +192,7 @@ def _check_tag_operands(program: Program, read, paths: Sequence[str], caller: st
         if node.eqn.primitive is not loss_tag_p:
             continue
         for name, operand in zip(("targets", "mask"), node.operands[1:]):
-            params = read(operand).params
+            params: frozenset[int] = read(operand).params
             if not params:
                 continue
             names = ", ".join(paths[i].lstrip(".") or "(root)" for i in sorted(params))
