@@ -41,10 +41,11 @@ def test_statistics_dtype(structure, dtype, expected):
     for block in curv.blocks.values():
         for leaf in jax.tree_util.tree_leaves(block):
             assert leaf.dtype == expected
-    # Products come back in the parameters' dtype.
+    # Products and the diagonal come back in the parameters' dtype.
     params = eqx.filter(model, eqx.is_inexact_array)
-    for leaf in jax.tree_util.tree_leaves(curv.solve(params, 1e-2)):
-        assert leaf.dtype == dtype
+    for out in (curv.solve(params, 1e-2), curv.mv(params), curv.diagonal()):
+        for leaf in jax.tree_util.tree_leaves(out):
+            assert leaf.dtype == dtype
 
 
 def test_bfloat16_statistics_are_close_to_float32():

@@ -1,6 +1,7 @@
 """`Curvature`: the blocks of a whole model, as one lineax operator over its
 parameter PyTree."""
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,6 +17,12 @@ from ..blocks import AbstractBlock
 from ..blocks._base import register_psd_operator
 from . import statistics as stats
 from .structures import matrix_gib
+
+
+def _cast_like(fn: Callable, block, parts: tuple) -> tuple:
+    return tuple(
+        jnp.asarray(x).astype(p.dtype) for x, p in zip(fn(block, parts), parts)
+    )
 
 
 class Curvature(lx.AbstractLinearOperator):
@@ -139,6 +146,9 @@ class Curvature(lx.AbstractLinearOperator):
         leading axis of its leaves (one program, not one per step)."""
         leaves, treedef = self._leaves(vector, method)
         out = list(leaves)
+        # A block may compute in its statistics' precision (float32 for a
+        # bfloat16 model): every result is given back in `vector`'s dtypes.
+        fn = functools.partial(_cast_like, fn)
         in_runs = {name for run in self.runs for name in run}
         for name, idx, sl in self._parts():
             if name in in_runs:
