@@ -104,6 +104,8 @@ def _dense(node: Node, graph: Graph) -> Candidate | None:
 
 
 def _core_candidate(kind, node, view, x_atom, labels, in_order, perm, d_in):
+    if node.outs[0] is None:  # an output nothing reads (jax 0.9 keeps the
+        return None  # equation): a layer that adds no curvature
     return Candidate(
         kind=kind,
         core=node,
@@ -142,7 +144,7 @@ def _elementwise(node: Node, graph: Graph) -> Candidate | None:
     out_shape = tuple(node.eqn.outvars[0].aval.shape)
     for p_atom, x_atom in ((a, b), (b, a)):
         view = _param_and_activation(graph, p_atom, x_atom)
-        if view is None or isinstance(x_atom, Const):
+        if view is None or isinstance(x_atom, Const) or node.outs[0] is None:
             continue
         p_shape = _shape(p_atom)
         if _shape(x_atom) != out_shape or len(p_shape) != len(out_shape):
@@ -161,7 +163,7 @@ def _elementwise(node: Node, graph: Graph) -> Candidate | None:
             in_order=axes.location_axes(labels) + feat_axes,
             d_in=math.prod(graph.shapes[view.index]),
             weight_perm=None,
-            outputs=cast(PVar, node.outs[0]),  # a single output: not dropped
+            outputs=cast(PVar, node.outs[0]),
             out_labels=labels,
         )
     return None
@@ -313,6 +315,8 @@ def _with_bias(cand: Candidate, graph: Graph) -> Candidate:
     var, labels, chain = cand.outputs, cand.out_labels, ()
     while len(users := graph.consumers.get(id(var), [])) == 1:
         (user,) = users
+        if user.outs[0] is None:  # nothing reads it (jax 0.9 keeps the equation)
+            return cand
         if user.name == "add" and cand.kind.takes_bias:
             bias = _bias_of(cand, user, var, labels, graph)
             if bias is None:
