@@ -140,11 +140,6 @@ def _labelled(program: Program, num_params: int):
     return read
 
 
-def output_label(program: Program, num_params: int, output: int) -> Label:
-    """The label of the program's `output`-th output."""
-    return _labelled(program, num_params)(program.outvars[output])
-
-
 def check_objective(
     program: Program,
     num_params: int,

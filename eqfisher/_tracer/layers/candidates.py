@@ -104,8 +104,6 @@ def _dense(node: Node, graph: Graph) -> Candidate | None:
 
 
 def _core_candidate(kind, node, view, x_atom, labels, in_order, perm, d_in):
-    if node.outs[0] is None:  # an output nothing reads (jax 0.9 keeps the
-        return None  # equation): a layer that adds no curvature
     return Candidate(
         kind=kind,
         core=node,
@@ -144,7 +142,7 @@ def _elementwise(node: Node, graph: Graph) -> Candidate | None:
     out_shape = tuple(node.eqn.outvars[0].aval.shape)
     for p_atom, x_atom in ((a, b), (b, a)):
         view = _param_and_activation(graph, p_atom, x_atom)
-        if view is None or isinstance(x_atom, Const) or node.outs[0] is None:
+        if view is None or isinstance(x_atom, Const):
             continue
         p_shape = _shape(p_atom)
         if _shape(x_atom) != out_shape or len(p_shape) != len(out_shape):
@@ -163,7 +161,7 @@ def _elementwise(node: Node, graph: Graph) -> Candidate | None:
             in_order=axes.location_axes(labels) + feat_axes,
             d_in=math.prod(graph.shapes[view.index]),
             weight_perm=None,
-            outputs=cast(PVar, node.outs[0]),
+            outputs=cast(PVar, node.outs[0]),  # read: `candidates` checked
             out_labels=labels,
         )
     return None
@@ -373,15 +371,18 @@ def candidates(graph: Graph) -> tuple[Candidate, ...]:
     """Every layer-shaped equation, then the shift-only layers (an `add` of a
     parameter nobody took as a bias). A declared layer's parameters are its own:
     equations that also match inside its computation are no layers."""
+    # An equation whose output nothing reads (jax 0.9 keeps them) is no layer:
+    # it adds no curvature.
+    read = [node for node in graph.program.nodes if node.outs[0] is not None]
     cores = []
-    for node in graph.program.nodes:
+    for node in read:
         match = _CORE_MATCHERS.get(node.name)
         if match is not None and (cand := match(node, graph)) is not None:
             cores.append(_with_bias(cand, graph))
     taken = {id(c.chain[-1]) for c in cores if c.chain}
     shifts = [
         cand
-        for node in graph.program.nodes
+        for node in read
         if node.name == "add" and id(node) not in taken
         if (cand := _elementwise(node, graph)) is not None
     ]
