@@ -4,6 +4,7 @@ built without eqfisher, tests/helpers.py)."""
 
 import functools as ft
 import re
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -618,3 +619,33 @@ def test_targets_or_mask_that_depend_on_the_parameters_are_refused(operand):
     # Jᵀ H J, H the Hessian in the outputs with the targets or mask held.
     reference = dense_ggn(lambda m: jax.vmap(m)(x), of_outputs, model)
     np.testing.assert_allclose(curv.as_matrix(), reference, rtol=1e-10, atol=1e-13)
+
+
+class _WithActivation(eqx.Module):
+    linear: eqx.nn.Linear
+    activation: Callable  # a leaf: `eqx.filter` makes it None
+
+    def __call__(self, x):
+        return self.activation(self.linear(x))
+
+
+@pytest.mark.parametrize("call", ["curvature", "kfac_step"])
+def test_a_filtered_model_passed_as_the_model_says_to_pass_the_whole_model(call):
+    model = _WithActivation(
+        eqx.nn.Linear(D_IN, CLASSES, dtype=F64, key=jax.random.key(0)), jnp.tanh
+    )
+    _, batch = _problem()
+    filtered = _params(model)
+    with pytest.raises(TypeError, match="NoneType") as info:
+        if call == "curvature":
+            ef.curvature(
+                loss_fn, filtered, batch, estimator=ef.GGN(), structure=ef.Dense()
+            )
+        else:
+            like = ef.optim.curvature_like(_vgc(), model, batch, key=jax.random.key(0))
+            opt = ef.optim.kfac(1e-2, like=like)
+            step = ef.optim.kfac_step(
+                loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC()
+            )
+            step(filtered, opt.init(filtered), batch, jax.random.key(1))
+    assert any("pass the whole model" in n for n in info.value.__notes__)

@@ -242,6 +242,14 @@ def _check_returns(
             )
 
 
+_FILTERED_MODEL = (
+    "(`{caller}`: `loss_fn` called a None from the model. If `model` is a filtered "
+    "model, e.g. `eqx.filter(model, eqx.is_inexact_array)` or the params of "
+    "`eqx.partition`, pass the whole model: eqfisher takes the parameters from "
+    "it itself.)"
+)
+
+
 def stage_loss(
     loss_fn: Callable,
     s: Split,
@@ -268,7 +276,12 @@ def stage_loss(
         model, batch = s.rebuild(
             list(leaves[:n_p]), list(leaves[n_p : n_p + n_o]), list(leaves[n_p + n_o :])
         )
-        out = loss_fn(model, batch)
+        try:
+            out = loss_fn(model, batch)
+        except TypeError as e:
+            if "'NoneType' object is not callable" in str(e):
+                e.add_note(_FILTERED_MODEL.format(caller=caller))
+            raise
         _check_returns(out, returns, caller, takes_has_aux)
         out_trees.append(jax.tree_util.tree_structure(out))
         return out
