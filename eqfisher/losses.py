@@ -109,6 +109,15 @@ class AbstractLossFamily(eqx.Module):
         del inputs, mask, caller
         return targets
 
+    def checked_mask(
+        self, inputs: Array, targets: Array, mask: Array, caller: str
+    ) -> Array:
+        """`mask`, checked where the curvature depends on the targets without
+        reading them (every estimator reads the mask); by default unchanged. Called
+        after `checked_targets`."""
+        del inputs, targets, caller
+        return mask
+
     def output_gradient(
         self, inputs: Float[Array, "*leading out"], targets: Shaped[Array, "..."]
     ) -> Float[Array, "*leading out"]:
@@ -130,8 +139,23 @@ def _at_least_int32(dtype) -> jnp.dtype:
     return jnp.dtype(dtype) if jnp.dtype(dtype).itemsize >= 4 else jnp.dtype(jnp.int32)
 
 
+def _refused_where(carrier: Array, bad: Array, message: str) -> Array:
+    """`carrier`, after checking that `bad` is False everywhere: a concrete `bad`
+    that is not raises `ValueError`, a traced one Equinox's runtime error
+    (`eqx.error_if`, attached to `carrier`)."""
+    if isinstance(bad, jax.core.Tracer):
+        return eqx.error_if(carrier, bad, message)
+    if bool(jnp.any(bad)):
+        raise ValueError(message)
+    return carrier
+
+
 class Categorical(AbstractLossFamily):
-    """Softmax cross-entropy; targets are class ids or probability vectors.
+    r"""Softmax cross-entropy; targets are class ids or probability vectors.
+
+    Probability targets must sum to one over the classes (where the mask is not
+    0): the Hessian in the logits, and so the GGN, is $(\sum t)(\operatorname{diag}
+    p - p p^\top)$, which eqfisher computes for $\sum t = 1$.
 
     !!! Example
 
@@ -254,6 +278,25 @@ class Categorical(AbstractLossFamily):
             raise ValueError(f"{message} Got {int(first)}.")
         return jnp.where(mask != 0, targets, jnp.zeros_like(targets))
 
+    def checked_mask(self, inputs, targets, mask, caller):
+        if jnp.issubdtype(targets.dtype, jnp.integer):
+            return mask
+        # The GGN and the Fisher read neither the labels nor their sum: the check
+        # rides on the mask, which every estimator reads.
+        tolerance = float(jnp.finfo(targets.dtype).eps) ** 0.5
+        total = jnp.sum(targets, axis=-1)
+        bad = (jnp.abs(total - 1) > tolerance) & (mask != 0)
+        return _refused_where(
+            mask,
+            bad,
+            f"`{caller}(logits, labels)`: probability `labels` must sum to 1 over "
+            "the classes (the last axis) wherever `mask` is not 0; the curvature "
+            "assumes it. Normalise them (`labels / labels.sum(-1, keepdims=True)`); "
+            "give padding examples weight 0 with `mask=` (not rows of "
+            "zeros), weight examples with `mask=`, and use "
+            "`eqfisher.sigmoid_cross_entropy` for several labels per example.",
+        )
+
 
 class Bernoulli(AbstractLossFamily):
     """Sigmoid cross-entropy, summed over independent binary outputs.
@@ -375,6 +418,8 @@ def register_loss(
     - `targets`: what the family expects (class ids, probabilities, values).
     - `mask`: optional per-example weights of shape `leading` (e.g. 0 for padding
       tokens); the value is then $\sum \text{mask} \cdot \ell / \sum \text{mask}$.
+      Weights must be finite and non-negative with a positive sum (a
+      `ValueError`, under `jit` Equinox's runtime error, otherwise).
 
     **Returns:**
 
@@ -428,7 +473,15 @@ def register_loss(
                 f"(the leading axes of the outputs), got {mask.shape}."
             )
         mask = mask.astype(inputs.dtype)
+        mask = _refused_where(
+            mask,
+            (mask < 0) | ~jnp.isfinite(mask) | (jnp.sum(mask) <= 0),
+            f"`{caller}(..., mask=...)`: `mask` must be finite and >= 0 with a "
+            "positive sum (the value is sum(mask * loss) / sum(mask)); a negative "
+            "weight makes the curvature indefinite. Give padding weight 0.",
+        )
     targets = family.checked_targets(inputs, targets, mask, caller)
+    mask = family.checked_mask(inputs, targets, mask, caller)
     tagged = loss_tag_p.bind(inputs, targets, mask, family=family)
     value = jnp.sum(mask * family.per_example(tagged, targets)) / jnp.sum(mask)
     return loss_value_tag_p.bind(value)
@@ -460,8 +513,11 @@ def softmax_cross_entropy(
     - `ValueError` when the outputs have fewer than two axes, or the targets or
       `mask` do not fit their shape; the message gives the shapes expected.
     - `ValueError` (under `jit`, Equinox's runtime error) when an integer label
-      lies outside `[0, classes)` where the mask is not 0. Padding labels (e.g.
-      -1) are allowed where `mask` is 0.
+      lies outside `[0, classes)` where the mask is not 0, or probability labels
+      do not sum to 1 (to the square root of their dtype's precision) where the
+      mask is not 0. Padding labels (e.g. -1) are allowed where `mask` is 0.
+    - `ValueError` (under `jit`, Equinox's runtime error) when `mask` has a
+      negative or non-finite entry, or sums to 0.
 
     !!! Example
 

@@ -649,3 +649,72 @@ def test_a_filtered_model_passed_as_the_model_says_to_pass_the_whole_model(call)
             )
             step(filtered, opt.init(filtered), batch, jax.random.key(1))
     assert any("pass the whole model" in n for n in info.value.__notes__)
+
+
+@pytest.mark.parametrize(
+    "labels",
+    ["multi-hot", "zero rows", "counts"],
+)
+def test_probability_labels_that_do_not_sum_to_one_are_refused(labels):
+    # The GGN of -Σ t log softmax(z) is (Σt)(diag p - p pᵀ): computed for Σt = 1,
+    # it was 0.5 (multi-hot, counts) to 1.5 (zero rows) off, silently.
+    model, (x, y) = _problem()
+    one_hot = jax.nn.one_hot(y, CLASSES, dtype=F64)
+    bad = {
+        "multi-hot": one_hot.at[:, 0].set(1.0),
+        "zero rows": one_hot.at[:3].set(0.0),
+        "counts": 2 * one_hot,
+    }[labels]
+    message = "probability `labels` must sum to 1"
+    with pytest.raises(ValueError, match=message):
+        loss_fn(model, (x, bad))
+    for estimator in [ef.GGN(), ef.FisherExact(), ef.EmpiricalFisher()]:
+        with pytest.raises(eqx.EquinoxRuntimeError, match=message):
+            ef.curvature(
+                loss_fn, model, (x, bad), estimator=estimator, structure=ef.Dense()
+            )
+    with pytest.raises(Exception, match=message):
+        ef.ggn_operator(loss_fn, model, (x, bad)).as_matrix()
+
+    # Normalised, or with padding rows given weight 0, they are exact.
+    def masked(model, batch):
+        x, t, mask = batch
+        return ef.softmax_cross_entropy(jax.vmap(model)(x), t, mask=mask)
+
+    smooth = 0.9 * one_hot + 0.1 / CLASSES
+    keep = (jnp.sum(bad, axis=-1) > 0).astype(F64)
+    for t, mask in [(smooth, jnp.ones(N)), (bad * keep[:, None], keep)]:
+        t = t / jnp.maximum(jnp.sum(t, axis=-1, keepdims=True), 1)
+        curv = ef.curvature(
+            masked, model, (x, t, mask), estimator=ef.GGN(), structure=ef.Dense()
+        )
+        w = mask / jnp.sum(mask)
+
+        def of_outputs(out, t=t, w=w):
+            return -jnp.sum(w * jnp.sum(t * jax.nn.log_softmax(out), axis=-1))
+
+        reference = dense_ggn(lambda m: jax.vmap(m)(x), of_outputs, model)
+        np.testing.assert_allclose(curv.as_matrix(), reference, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("mask", ["negative", "all zero", "nan"])
+def test_masks_that_are_not_weights_are_refused(mask):
+    # A negative weight gave a NaN (indefinite) curvature beside a finite value.
+    model, (x, y) = _problem()
+    bad = {
+        "negative": jnp.ones(N).at[0].set(-3.0),
+        "all zero": jnp.zeros(N),
+        "nan": jnp.ones(N).at[1].set(jnp.nan),
+    }[mask]
+
+    def masked(model, batch):
+        x, y, mask = batch
+        return ef.softmax_cross_entropy(jax.vmap(model)(x), y, mask=mask)
+
+    message = "`mask` must be finite and >= 0 with a positive sum"
+    with pytest.raises(ValueError, match=message):
+        masked(model, (x, y, bad))
+    with pytest.raises(eqx.EquinoxRuntimeError, match=message):
+        ef.curvature(
+            masked, model, (x, y, bad), estimator=ef.GGN(), structure=ef.KFAC()
+        )
