@@ -16,7 +16,7 @@ import jax.core
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, Shaped
 
-from . import _compat
+from . import _compat, _refusal
 
 
 # To pyright, `AbstractClassVar` is `typing.ClassVar`, as equinox makes it; the alias
@@ -137,17 +137,6 @@ def _at_least_int32(dtype) -> jnp.dtype:
     """`dtype` if it is an integer of 32 bits or more, else int32: class ids
     compared with a class count or an iota of classes (which would wrap in int8)."""
     return jnp.dtype(dtype) if jnp.dtype(dtype).itemsize >= 4 else jnp.dtype(jnp.int32)
-
-
-def _refused_where(carrier: Array, bad: Array, message: str) -> Array:
-    """`carrier`, after checking that `bad` is False everywhere: a concrete `bad`
-    that is not raises `ValueError`, a traced one Equinox's runtime error
-    (`eqx.error_if`, attached to `carrier`)."""
-    if isinstance(bad, jax.core.Tracer):
-        return eqx.error_if(carrier, bad, message)
-    if bool(jnp.any(bad)):
-        raise ValueError(message)
-    return carrier
 
 
 class Categorical(AbstractLossFamily):
@@ -286,7 +275,7 @@ class Categorical(AbstractLossFamily):
         tolerance = float(jnp.finfo(targets.dtype).eps) ** 0.5
         total = jnp.sum(targets, axis=-1)
         bad = (jnp.abs(total - 1) > tolerance) & (mask != 0)
-        return _refused_where(
+        return _refusal.refused_where(
             mask,
             bad,
             f"`{caller}(logits, labels)`: probability `labels` must sum to 1 over "
@@ -473,7 +462,7 @@ def register_loss(
                 f"(the leading axes of the outputs), got {mask.shape}."
             )
         mask = mask.astype(inputs.dtype)
-        mask = _refused_where(
+        mask = _refusal.refused_where(
             mask,
             (mask < 0) | ~jnp.isfinite(mask) | (jnp.sum(mask) <= 0),
             f"`{caller}(..., mask=...)`: `mask` must be finite and >= 0 with a "

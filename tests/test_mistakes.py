@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import equinox as eqx
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -387,6 +388,37 @@ def test_laplace_likelihood_must_fit_the_registered_loss():
         ef.laplace.fit(
             loss_fn, model, batch, likelihood="regression", structure=ef.Diagonal()
         )
+
+
+@pytest.mark.parametrize("factor", [float(N), 0.5])
+def test_laplace_fit_refuses_a_loss_times_a_factor(factor):
+    # docs/losses.md suggests `n * loss` for the summed likelihood; `fit` builds
+    # N·C + δI itself, and took N²·C + δI from it (relative error 12), silently.
+    model, batch = _problem()
+
+    def scaled(model, batch):
+        return factor * loss_fn(model, batch)
+
+    for fit in [ef.laplace.fit, eqx.filter_jit(ef.laplace.fit)]:
+        error = ValueError if fit is ef.laplace.fit else eqx.EquinoxRuntimeError
+        with pytest.raises(error, match="must return the mean registered loss"):
+            fit(scaled, model, batch, likelihood="classification", structure=ef.Dense())
+    # The mean loss: the precision N·C + δI, C the GGN of the mean loss.
+    post = ef.laplace.fit(
+        loss_fn, model, batch, likelihood="classification", structure=ef.Dense()
+    )
+    x, y = batch
+    ggn = dense_ggn(
+        lambda m: jax.vmap(m)(x),
+        lambda out: jnp.mean(
+            -jnp.take_along_axis(jax.nn.log_softmax(out), y[:, None], 1)
+        ),
+        model,
+    )
+    flat, unravel = jax.flatten_util.ravel_pytree(_params(model))
+    v = jax.random.normal(jax.random.key(2), flat.shape, F64)
+    got = jax.flatten_util.ravel_pytree(post.precision_mv(unravel(v)))[0]
+    np.testing.assert_allclose(got, (N * ggn + np.eye(len(v))) @ v, rtol=1e-10)
 
 
 def test_top_eigenpairs_names_k():

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree, ScalarLike
 
 from .._curvature import GGN, AbstractEstimator, AbstractStructure, Curvature, curvature
+from .._refusal import refused_where
 from .._tracer import loss_tags_jvp
 from ..losses import Bernoulli, Categorical, Gaussian
 from ._blockwise import (
@@ -424,7 +425,8 @@ def fit(
 
     **Raises:**
 
-    `ValueError` when `loss_fn` registers other than exactly one loss, when
+    `ValueError` when `loss_fn` registers other than exactly one loss or returns
+    it times a factor other than 1 (`fit` multiplies by N itself), when
     `likelihood` contradicts the registered loss (`softmax_cross_entropy` and
     `sigmoid_cross_entropy` are `"classification"`, `squared_error` is
     `"regression"`; a custom family is not checked), when `prior_precision`,
@@ -468,6 +470,23 @@ def fit(
         structure=structure,
         where=where,
         key=key,
+    )
+    # N·C + δI is built here from the mean loss's curvature: a loss already
+    # multiplied by N (or any factor) would count it twice.
+    coefficient = jnp.sum(registered.coefficient)  # over a `vmap`'s lanes
+    shown = (
+        "a factor"
+        if isinstance(coefficient, jax.core.Tracer)
+        else f"{float(coefficient):.6g}"
+    )
+    curv = refused_where(
+        curv,
+        jnp.abs(coefficient - 1) > 1e-6,
+        "`eqfisher.laplace.fit(loss_fn, ...)`: `loss_fn` must return the mean "
+        "registered loss (coefficient 1), but returns it times "
+        f"{shown}; `fit` reads N from the registered loss and "
+        "builds N·C/T + δI itself. Drop the factor (to weight the likelihood, "
+        "pass `temperature=T`).",
     )
     return Laplace(
         curv,
