@@ -526,6 +526,20 @@ def test_lineax_cg_matches_solve(structure):
     assert lx.is_symmetric(curv) and lx.is_positive_semidefinite(curv)
 
 
+@pytest.mark.parametrize("structure", ["diagonal", "dense", "kfac"])
+def test_lineax_tags_a_curvature_diagonal_where_every_block_is(structure):
+    curv = curv_for("softmax_ce", ef.GGN(), ALL_STRUCTURES[structure])
+    diagonal = structure == "diagonal"
+    assert lx.is_diagonal(curv) == diagonal
+    matrix = np.asarray(curv.as_matrix())
+    assert np.array_equal(matrix, np.diag(np.diag(matrix))) == diagonal
+    if diagonal:  # lineax's diagonal solver takes it (refused before)
+        g = random_like(mlp(), 7)
+        by_lineax = lx.linear_solve(curv, g, lx.Diagonal()).value
+        expected = jax.tree.map(lambda v, d: v / d, g, curv.diagonal())
+        assert tree_allclose(by_lineax, expected)
+
+
 # --- `where` ----------------------------------------------------------------------
 
 

@@ -750,3 +750,15 @@ def test_masks_that_are_not_weights_are_refused(mask):
         ef.curvature(
             masked, model, (x, y, bad), estimator=ef.GGN(), structure=ef.KFAC()
         )
+
+
+@pytest.mark.parametrize("structure", [ef.Dense(), ef.Diagonal(), ef.KFAC()], ids=repr)
+def test_integer_vectors_are_refused(structure):
+    # A basis vector eᵢ in int32 came back from `mv` as int32 zeros.
+    model, batch = _problem()
+    curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=structure)
+    basis = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.int32), _params(model))
+    with pytest.raises(TypeError, match="must hold floating-point arrays"):
+        curv.mv(basis)
+    with pytest.raises(TypeError, match="must hold floating-point arrays"):
+        curv.solve(basis, 0.1)

@@ -135,8 +135,17 @@ class Curvature(lx.AbstractLinearOperator):
             raise ValueError(
                 f"`Curvature.{method}(vector)`: `vector` must have the structure of "
                 "the parameters the curvature covers (eqx.filter(model, "
-                "eqx.is_inexact_array), restricted by `where`); its leaves have shapes "
-                f"{leaf_shapes(leaves)}, expected {shapes}."
+                "eqx.is_inexact_array), restricted by `where`: "
+                "`eqfisher.filters.partition(grads, where)[0]`); its leaves have "
+                f"shapes {leaf_shapes(leaves)}, expected {shapes}."
+            )
+        dtypes = [jnp.result_type(x) for x in leaves]
+        if not all(jnp.issubdtype(d, jnp.floating) for d in dtypes):
+            raise TypeError(
+                f"`Curvature.{method}(vector)`: `vector` must hold floating-point "
+                f"arrays, got dtypes {[str(d) for d in dtypes]}; an integer vector "
+                "would be truncated. Cast it, e.g. "
+                "`jax.tree.map(lambda x: x.astype(float), vector)`."
             )
         return leaves, treedef
 
@@ -450,6 +459,15 @@ def _take(x: Any, step: int) -> Any:
 
 
 register_psd_operator(Curvature)
+
+
+@lx.is_diagonal.register(Curvature)
+@lx.is_tridiagonal.register(Curvature)
+@lx.is_lower_triangular.register(Curvature)
+@lx.is_upper_triangular.register(Curvature)
+def _(operator):
+    # Diagonal where every block is (`Diagonal()`): `lx.Diagonal()` then solves it.
+    return all(lx.is_diagonal(block) for block in operator.stored.values())
 
 
 def leaf_shapes(leaves: list) -> list:
