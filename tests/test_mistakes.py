@@ -762,3 +762,29 @@ def test_integer_vectors_are_refused(structure):
         curv.mv(basis)
     with pytest.raises(TypeError, match="must hold floating-point arrays"):
         curv.solve(basis, 0.1)
+
+
+def test_kfac_under_where_given_every_gradient_points_to_the_docs_pattern():
+    # The message used to advise `optax.masked(kfac, mask)`, which passes the
+    # other gradients through as updates: gradient ascent (loss 2.3 -> 4.5).
+    model, batch = _problem()
+    where = ef.filters.by_path("layers[1].*")
+    vgc = ef.value_grad_and_curvature(
+        loss_fn, estimator=ef.GGN(), structure=ef.KFAC(), where=where
+    )
+    like = ef.optim.curvature_like(vgc, model, batch)
+    opt = ef.optim.kfac(1e-2, like=like)
+    _, grads, curv = vgc(model, batch)
+    mask = ef.filters.optax_mask(model, where)
+    params = _params(model)
+    every = jax.tree.map(jnp.zeros_like, params)  # all parameters' gradients
+    with pytest.raises(ValueError, match=r"optim\.kfac\(\.\.\.\)\.update`.*give K-FAC"):
+        opt.update(every, opt.init(eqx.filter(params, mask)), params, curvature=curv)
+    # The pattern it names: exactly the curvature's gradients.
+    updates, _ = opt.update(
+        eqx.filter(grads, mask),
+        opt.init(eqx.filter(params, mask)),
+        eqx.filter(params, mask),
+        curvature=curv,
+    )
+    assert jax.tree.structure(updates) == jax.tree.structure(eqx.filter(grads, mask))

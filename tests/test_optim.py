@@ -239,6 +239,30 @@ def test_schedules_and_serialisation(tmp_path):
     )
 
 
+def test_inject_hyperparams_changes_the_learning_rate_as_a_schedule_does():
+    # optax.inject_hyperparams passes every numeric argument as an array
+    # (`inverse_every`, `weight_decay` included); both used to be refused.
+    model, batch = _problem()
+    params = eqx.filter(model, eqx.is_inexact_array)
+    injected = optax.inject_hyperparams(optim.kfac)(
+        learning_rate=0.05, like=_like(), weight_decay=1e-3
+    )
+    scheduled = optim.kfac(
+        lambda n: jnp.where(n < 2, 0.05, 0.01),
+        like=_like(),
+        weight_decay=1e-3,
+    )
+    runs = []
+    for opt in [injected, scheduled]:
+        state, m = opt.init(params), model
+        for i in range(4):
+            if opt is injected and i == 2:
+                state.hyperparams["learning_rate"] = jnp.asarray(0.01, F64)
+            m, state, _ = _step(opt)(m, state, batch)
+        runs.append(eqx.filter(m, eqx.is_inexact_array))
+    assert tree_allclose(runs[0], runs[1], rtol=1e-12, atol=1e-14)
+
+
 def test_composes_with_optax_chain_clip_and_mask():
     model, batch = _problem()
     frozen = ef.filters.optax_mask(model, ef.filters.by_path("layers[0].*"))
@@ -816,6 +840,37 @@ def test_kfac_step_equals_the_hand_written_step():
         m, s, _ = step(m, s, batch)
         p, t = by_hand(p, t, batch)
     assert tree_allclose(eqx.filter(m, eqx.is_inexact_array), p, rtol=1e-12)
+
+
+def test_kfac_step_passes_the_loss_to_transformations_that_read_it():
+    # `optax.contrib.reduce_on_plateau` reads `value=`; kfac_step did not pass
+    # it (a TypeError), although the docs say it works with chains.
+    model, batch = _problem()
+    plateau = optax.contrib.reduce_on_plateau(patience=1, factor=0.5, cooldown=0)
+    opt = optax.chain(_kfac(0.1), plateau)
+    step = optim.kfac_step(loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC())
+    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    losses = []
+    with jax.numpy_dtype_promotion("standard"):  # optax's plateau mixes dtypes
+        for _ in range(3):
+            model, state, loss = step(model, state, batch)
+            losses.append(float(loss))
+    plateau_state = state[1]
+    assert float(plateau_state.best_value) == min(losses)
+
+
+def test_curvature_batch_size_names_a_scalar_leaf():
+    model, (x, y) = _problem()
+    step = optim.kfac_step(
+        lambda m, b: loss_fn(m, b[:2]),
+        _kfac(0.1),
+        estimator=ef.GGN(),
+        structure=ef.KFAC(),
+        curvature_batch_size=4,
+    )
+    state = _kfac(0.1).init(eqx.filter(model, eqx.is_inexact_array))
+    with pytest.raises(ValueError, match=r"leaf at `batch\[2\]` is a scalar"):
+        step(model, state, (x, y, jax.random.key(0)))
 
 
 def test_curvature_from_a_sub_batch():

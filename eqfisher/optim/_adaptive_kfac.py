@@ -130,12 +130,12 @@ def kfac_adaptive(
 
         def fold_in(kstate, curvature):
             lam = state.steps.damping
-            return fold(kstate, curvature, lam, decay, inverse_every, exact)
+            return fold(caller, kstate, curvature, lam, decay, inverse_every, exact)
 
         updates, kstate = receive(
             caller, updates, state.kfac, curvature, curvature_due, fold_in
         )
-        direction, kstate = guard(precondition(updates, kstate), kstate)
+        direction, kstate = guard(precondition(caller, updates, kstate), kstate)
         delta = jax.tree_util.tree_map(jnp.negative, direction)
         step, sstate = steps.update(
             delta, state.steps, params, quadratic=quadratic, grads=updates

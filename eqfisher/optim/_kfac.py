@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jaxtyping import Array, ArrayLike, PyTree
+from jaxtyping import Array, ArrayLike, Int, PyTree, ScalarLike
 
 from .._curvature import Curvature
 from ..blocks._base import scalars_checked
@@ -69,11 +69,12 @@ def initial_state(like: Curvature, lam: Array, damping: AbstractDamping) -> KFAC
 
 
 def fold(
+    caller: str,
     state: KFACState,
     curvature: Curvature,
     lam: Array,
-    decay: float,
-    inverse_every: int,
+    decay: ScalarLike,
+    inverse_every: int | Int[Array, ""],
     damping: AbstractDamping,
 ) -> KFACState:
     """Averages `curvature` in and refreshes the cached inverse when due."""
@@ -84,7 +85,8 @@ def fold(
     ]:
         what = like_mismatch(state.curvature, curvature)
         raise ValueError(
-            "`kfac_preconditioner.update(..., curvature=...)`: the curvature has "
+            f"`eqfisher.optim.{caller}(...).update(..., curvature=...)`: the "
+            "curvature has "
             "other blocks or shapes than the optimiser's `like=`"
             + (f": {what}" if what else "")
             + "; build `like` with `eqfisher.optim.curvature_like` from the same "
@@ -173,7 +175,7 @@ def receive(
     return updates, jax.lax.cond(due, folded, lambda: state)
 
 
-def precondition(updates: PyTree, state: KFACState) -> PyTree:
+def precondition(caller: str, updates: PyTree, state: KFACState) -> PyTree:
     # No finite curvature seen yet: no step rather than an unpreconditioned one.
     # The gradients are zeroed, not the direction: the cached inverse is finite
     # (zeros before the first estimate), so its `mv` of zeros is zero, and the
@@ -186,10 +188,15 @@ def precondition(updates: PyTree, state: KFACState) -> PyTree:
         return state.inverse.mv(updates)
     except ValueError as e:
         raise ValueError(
-            "`kfac_preconditioner.update`: the gradients and the curvature cover "
-            "different parameters. For a curvature built with `where=`, wrap the "
-            "optimiser in `optax.masked(..., eqfisher.filters.optax_mask(model, "
-            "where))`."
+            f"`eqfisher.optim.{caller}(...).update`: the gradients and the "
+            "curvature cover different parameters. For a curvature built with "
+            "`where=`, give K-FAC only those gradients and the rest to another "
+            "optimiser: `optax.chain(optax.masked(kfac, mask), "
+            "optax.masked(other, rest))` with `mask = "
+            "eqfisher.filters.optax_mask(model, where)` and `rest` its negation, "
+            "or as in docs/optim.md's `where=` example. Not `optax.masked(kfac, "
+            "mask)` alone: it passes the other gradients through unchanged as "
+            "updates, a step up the gradient."
         ) from e
 
 
@@ -232,8 +239,8 @@ def kfac_preconditioner(
     *,
     like: Curvature,
     damping: ScalarOrSchedule = 1e-3,
-    decay: float = 0.95,
-    inverse_every: int = 5,
+    decay: ScalarLike = 0.95,
+    inverse_every: int | Int[Array, ""] = 5,
     damping_variant: AbstractDamping = FactoredTikhonov(),  # noqa: B008 (an immutable Module)
     norm_constraint: float | None = 1e-2,
     learning_rate: ScalarOrSchedule = 1.0,
@@ -340,8 +347,8 @@ def _preconditioner(
     *,
     like: Curvature,
     damping: ScalarOrSchedule,
-    decay: float,
-    inverse_every: int,
+    decay: ScalarLike,
+    inverse_every: int | Int[Array, ""],
     damping_variant: AbstractDamping,
     norm_constraint: float | None,
     learning_rate: ScalarOrSchedule,
@@ -370,7 +377,9 @@ def _preconditioner(
 
     def fold_in(state, curvature):
         lam = damping_at(state.count)
-        return fold(state, curvature, lam, decay, inverse_every, damping_variant)
+        return fold(
+            caller, state, curvature, lam, decay, inverse_every, damping_variant
+        )
 
     def update(
         updates, state, params=None, *, curvature=None, curvature_due=None, **extra
@@ -381,7 +390,7 @@ def _preconditioner(
         updates, state = receive(
             caller, updates, state, curvature, curvature_due, fold_in
         )
-        direction = precondition(updates, state)
+        direction = precondition(caller, updates, state)
         lr = value_at(learning_rate, state.count)
         if not is_constant(learning_rate):  # a constant was checked when built
             # Attached to the count the state carries out, not to the direction:
@@ -410,10 +419,10 @@ def kfac(
     *,
     like: Curvature,
     damping: ScalarOrSchedule = 3e-5,
-    momentum: float = 0.0,
-    decay: float = 0.95,
-    inverse_every: int = 10,
-    weight_decay: float = 0.0,
+    momentum: ScalarLike = 0.0,
+    decay: ScalarLike = 0.95,
+    inverse_every: int | Int[Array, ""] = 10,
+    weight_decay: ScalarLike = 0.0,
     damping_variant: AbstractDamping = FactoredTikhonov(),  # noqa: B008 (an immutable Module)
     graft: optax.GradientTransformation | None = flatten_if_small(  # noqa: B008 (stateless)
         optax.scale_by_adam()  # noqa: B008
@@ -506,7 +515,9 @@ def kfac(
     parts: list[optax.GradientTransformation] = [
         preconditioner if graft is None else grafted(preconditioner, graft)
     ]
-    if weight_decay:
+    if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
+        # An array (`optax.inject_hyperparams` passes every numeric argument as
+        # one) always gets the term, as an array momentum gets the trace.
         parts.append(optax.add_decayed_weights(weight_decay))
     if not (isinstance(momentum, (int, float)) and momentum == 0):
         # An array momentum (e.g. one swept under `vmap`) always gets the trace.

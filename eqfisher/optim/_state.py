@@ -147,6 +147,14 @@ def check_preconditioner_args(
     check_like(caller, like)
     check_range(caller, damping_name, damping, 0.0, None, False)
     check_range(caller, "decay", decay, 0.0, 1.0, True)
+    if isinstance(inverse_every, jax.Array) and jnp.issubdtype(
+        inverse_every.dtype, jnp.integer
+    ):
+        # An integer array, as `optax.inject_hyperparams` passes every numeric
+        # argument: the refresh rule computes with it; a concrete one is checked.
+        if isinstance(inverse_every, jax.core.Tracer):
+            return
+        inverse_every = int(inverse_every)
     check_positive_int(caller, "inverse_every", inverse_every)
 
 

@@ -4,6 +4,7 @@ from collections.abc import Callable
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import optax
 from jaxtyping import PyTree
 
@@ -21,6 +22,19 @@ def _leading(batch: PyTree, size: int | None) -> PyTree:
     """The first `size` examples of every leaf of `batch` (all when `None`)."""
     if size is None:
         return batch
+    paths = [
+        jax.tree_util.keystr(path)
+        for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+        if jnp.ndim(x) == 0
+    ]
+    if paths:
+        raise ValueError(
+            "`eqfisher.optim.kfac_step(..., curvature_batch_size=...)` takes the "
+            "first examples of every leaf of `batch`, but the leaf at "
+            f"`batch{paths[0]}` is a scalar (a key or a constant?); pass it "
+            "through the model or `loss_fn` instead, or use "
+            "`curvature_batch_size=None`."
+        )
     return jax.tree_util.tree_map(lambda x: x[:size], batch)
 
 
@@ -142,8 +156,15 @@ def kfac_step(
 
         # The optimiser calls `curvature` inside its `lax.cond` on `due` (at once
         # when `due` is None: statistics every step).
+        # `value=`: for transformations that read the loss, such as
+        # `optax.contrib.reduce_on_plateau`.
         updates, opt_state = optimiser.update(
-            grads, opt_state, params, curvature=curvature, curvature_due=due
+            grads,
+            opt_state,
+            params,
+            curvature=curvature,
+            curvature_due=due,
+            value=loss,
         )
         return eqx.apply_updates(model, updates), opt_state, loss
 
