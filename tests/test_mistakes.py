@@ -788,3 +788,90 @@ def test_kfac_under_where_given_every_gradient_points_to_the_docs_pattern():
         curvature=curv,
     )
     assert jax.tree.structure(updates) == jax.tree.structure(eqx.filter(grads, mask))
+
+
+def test_laplace_metrics_and_predictives_refuse_what_they_would_misread(unchecked):
+    # Per-class variances for a covariance mixed the examples' variances (0.41
+    # off); logits for probabilities gave a number; bad labels gave NaN.
+    mean = jnp.array([[2.0, 0.0, -2.0], [1.0, 1.0, 0.0]], F64)
+    var = jnp.array([[0.1, 0.1, 0.1], [50.0, 50.0, 50.0]], F64)
+    for fn in [ef.laplace.probit, ef.laplace.laplace_bridge]:
+        with pytest.raises(ValueError, match=r"jax.vmap\(jnp.diag\)\(var\)"):
+            fn(mean, var)
+    right = jax.nn.softmax(mean / jnp.sqrt(1 + np.pi / 8 * var), -1)
+    got = ef.laplace.probit(mean, jax.vmap(jnp.diag)(var))
+    np.testing.assert_allclose(got, right, rtol=1e-14)
+
+    probs, labels = jax.nn.softmax(mean, -1), jnp.array([0, 1])
+    metrics = [
+        ef.laplace.negative_log_likelihood,
+        ef.laplace.brier_score,
+        ef.laplace.expected_calibration_error,
+    ]
+    for metric in metrics:
+        metric(probs, labels)  # accepted
+        with pytest.raises(ValueError, match="must be class probabilities"):
+            metric(mean, labels)
+        with pytest.raises(ValueError, match=r"class ids in \[0, 3\)"):
+            metric(probs, jnp.array([0, 3]))
+        with pytest.raises(ValueError, match=r"shape \(batch, classes\)"):
+            metric(probs, labels[:1])
+        with pytest.raises(eqx.EquinoxRuntimeError, match="class probabilities"):
+            eqx.filter_jit(metric)(mean, labels)
+    np.testing.assert_allclose(
+        ef.laplace.negative_log_likelihood(probs, labels),
+        -np.mean(np.log([probs[0, 0], probs[1, 1]])),
+        rtol=1e-14,
+    )
+
+
+def test_laplace_counts_and_inputs_are_checked(unchecked):
+    post = _laplace()
+    with pytest.raises(ValueError, match="`num_samples` must be a positive int"):
+        post.sample(jax.random.key(0), -1)
+    with pytest.raises(ValueError, match="steps=.*positive int"):
+        ef.laplace.optimize_hyperparameters(post, steps=-1)
+    x, _ = _problem()[1]
+    with pytest.raises((TypeError, ValueError)) as info:
+        ef.laplace.glm_predictive(post, x[0])  # one input without its axis
+    assert any("leading example axis" in n for n in info.value.__notes__)
+    with pytest.raises(ValueError, match="must be a vector"):
+        ef.laplace.glm_predictive(post, x, apply=lambda m, xi: m(xi)[:, None])
+    mean, cov = ef.laplace.glm_predictive(post, x[:1])
+    assert mean.shape == (1, CLASSES) and cov.shape == (1, CLASSES, CLASSES)
+
+
+@pytest.mark.parametrize("key", ["seed", "split", "floats"])
+def test_a_key_that_is_not_one_prng_key_is_named(key, unchecked):
+    model, batch = _problem()
+    bad = {
+        "seed": 0,
+        "split": jax.random.split(jax.random.key(0), 2),
+        "floats": jnp.array([1.0, 2.0]),
+    }[key]
+    with pytest.raises(TypeError, match=r"key=\.\.\.\)`: one PRNG key"):
+        ef.curvature(
+            loss_fn,
+            model,
+            batch,
+            estimator=ef.FisherMC(),
+            structure=ef.Dense(),
+            key=bad,
+        )
+    legacy = ef.curvature(
+        loss_fn,
+        model,
+        batch,
+        estimator=ef.FisherMC(),
+        structure=ef.Dense(),
+        key=jax.random.PRNGKey(3),
+    )
+    typed = ef.curvature(
+        loss_fn,
+        model,
+        batch,
+        estimator=ef.FisherMC(),
+        structure=ef.Dense(),
+        key=jax.random.wrap_key_data(jax.random.PRNGKey(3)),
+    )
+    np.testing.assert_array_equal(legacy.as_matrix(), typed.as_matrix())

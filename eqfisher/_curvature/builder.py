@@ -57,6 +57,22 @@ def check_args(caller: str, estimator, structure, key, examples) -> None:
             f"`{caller}(..., estimator={estimator!r})` needs `key=`: Monte-Carlo "
             "Fisher samples targets."
         )
+    if key is not None and not _one_key(key):
+        raise TypeError(
+            f"`{caller}(..., key=...)`: one PRNG key, `jax.random.key(seed)` (or a "
+            "legacy `jax.random.PRNGKey(seed)`), got "
+            f"{getattr(key, 'dtype', type(key).__name__)} of shape {jnp.shape(key)}."
+        )
+
+
+def _one_key(key) -> bool:
+    """Whether `key` is one PRNG key: typed of shape (), or raw uint32 data."""
+    dtype = getattr(key, "dtype", None)
+    if dtype is None:
+        return False
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return jnp.shape(key) == ()
+    return dtype == jnp.uint32 and jnp.shape(key) in ((2,), (4,))  # threefry, rbg
 
 
 def _select(model: PyTree, where, caller: str) -> list[int]:

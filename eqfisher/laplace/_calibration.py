@@ -3,6 +3,45 @@
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from .._refusal import refused_where
+
+
+def _checked(caller: str, probs: Array, labels: Array) -> Array:
+    """`probs`, after checking that they are class probabilities of shape
+    `(batch, classes)` (in [0, 1], each row summing to 1) and `labels` class ids
+    of shape `(batch,)` in `[0, classes)`; logits or out-of-range labels gave a
+    number (or NaN) with no error."""
+    probs, labels = jnp.asarray(probs), jnp.asarray(labels)
+    if probs.ndim != 2 or labels.shape != probs.shape[:1]:
+        raise ValueError(
+            f"`eqfisher.laplace.{caller}(probs, labels)`: `probs` must have shape "
+            f"(batch, classes) and `labels` shape (batch,), got {probs.shape} and "
+            f"{labels.shape}."
+        )
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(
+            f"`eqfisher.laplace.{caller}(probs, labels)`: `labels` must be integer "
+            f"class ids, got dtype {labels.dtype}."
+        )
+    tolerance = float(jnp.finfo(probs.dtype).eps) ** 0.5
+    total = jnp.sum(probs, axis=-1)
+    classes = probs.shape[-1]
+    bad_probs = jnp.any(probs < 0) | jnp.any(jnp.abs(total - 1) > tolerance)
+    bad_labels = jnp.any((labels < 0) | (labels >= classes))
+    probs = refused_where(
+        probs,
+        bad_probs,
+        f"`eqfisher.laplace.{caller}(probs, labels)`: `probs` must be class "
+        "probabilities (non-negative, each row summing to 1); for logits pass "
+        "`jax.nn.softmax(logits, axis=-1)`.",
+    )
+    return refused_where(
+        probs,
+        bad_labels,
+        f"`eqfisher.laplace.{caller}(probs, labels)`: `labels` must be class ids "
+        f"in [0, {classes}).",
+    )
+
 
 def _picked(probs, labels):
     return jnp.take_along_axis(probs, labels[:, None], axis=-1)[:, 0]
@@ -31,6 +70,7 @@ def negative_log_likelihood(
         # (−log 0.5 − log 0.9) / 2 ≈ 0.399
         ```
     """
+    probs = _checked("negative_log_likelihood", probs, labels)
     tiny = jnp.finfo(probs.dtype).tiny
     return -jnp.mean(jnp.log(jnp.maximum(_picked(probs, labels), tiny)))
 
@@ -58,6 +98,7 @@ def brier_score(
         # ((0.5² + 0.5²) + (0.1² + 0.1²)) / 2 = 0.26
         ```
     """
+    probs = _checked("brier_score", probs, labels)
     onehot = labels[:, None] == jnp.arange(probs.shape[-1], dtype=labels.dtype)[None, :]
     return jnp.mean(jnp.sum(jnp.square(probs - onehot.astype(probs.dtype)), axis=-1))
 
@@ -99,6 +140,7 @@ def expected_calibration_error(
         # (|1 − 0.6| + |1 − 0.9|) / 2 = 0.25: under-confident
         ```
     """
+    probs = _checked("expected_calibration_error", probs, labels)
     conf = jnp.max(probs, axis=-1)
     correct = (jnp.argmax(probs, axis=-1) == labels).astype(probs.dtype)
     which = jnp.clip(jnp.ceil(conf * bins).astype(jnp.int32) - 1, 0, bins - 1)

@@ -53,6 +53,11 @@ def optimize_hyperparameters(
         print(tuned.prior_precision)  # one δ per block: layers[0], layers[1]
         ```
     """
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(
+            "`eqfisher.laplace.optimize_hyperparameters(..., steps=...)`: a "
+            f"positive int, got {steps!r}."
+        )
     if noise and posterior.likelihood != "regression":
         raise ValueError(
             "`eqfisher.laplace.optimize_hyperparameters(..., noise=True)` tunes the "

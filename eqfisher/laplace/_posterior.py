@@ -346,6 +346,11 @@ class Laplace(eqx.Module):
 
         A PyTree like `mean` whose leaves have a leading axis `num_samples`.
         """
+        if not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(
+                "`Laplace.sample(key, num_samples)`: `num_samples` must be a "
+                f"positive int, got {num_samples!r}."
+            )
         structure = self.curvature.structure
         scale = self.curvature_scale
 

@@ -23,7 +23,22 @@ def linearise(
     """`(outputs, jvp, vjp)` of one example's outputs in the selected parameters,
     linearised at the posterior mean (`apply=None` calls `model(example)`)."""
     apply = _call if apply is None else apply
-    out, jvp = jax.linearize(lambda t: apply(posterior.combine(t), xi), posterior.mean)
+    advice = (
+        "`x` must have a leading example axis (one input: `x[None]`), and "
+        "`apply(model, example)` return the outputs of one example, a vector (D,)."
+    )
+    try:
+        out, jvp = jax.linearize(
+            lambda t: apply(posterior.combine(t), xi), posterior.mean
+        )
+    except (TypeError, ValueError) as e:
+        e.add_note(f"(`eqfisher.laplace`, applying the model to one example: {advice})")
+        raise
+    if jnp.ndim(out) != 1:
+        raise ValueError(
+            "`eqfisher.laplace`: one example's outputs must be a vector (D,), got "
+            f"shape {jnp.shape(out)}. {advice}"
+        )
     return out, jvp, jax.linear_transpose(jvp, posterior.mean)
 
 
@@ -169,8 +184,24 @@ def probit(
         print(ef.laplace.probit(mean, 10 * jnp.eye(3)[None]))
         ```
     """
+    _check_gaussian("probit", mean, covariance)
     var = jnp.diagonal(covariance, axis1=-2, axis2=-1)
     return jax.nn.softmax(mean / jnp.sqrt(1 + math.pi / 8 * var), axis=-1)
+
+
+def _check_gaussian(caller: str, mean: Array, covariance: Array) -> None:
+    """Refuses a `covariance` that is not one (classes, classes) matrix per
+    example of `mean`: per-class variances (batch, classes) gave the diagonal of
+    that array, mixing the examples' variances, with no error."""
+    shape = jnp.shape(mean)
+    if len(shape) != 2 or jnp.shape(covariance) != shape + shape[-1:]:
+        raise ValueError(
+            f"`eqfisher.laplace.{caller}(mean, covariance)`: `mean` must have shape "
+            "(batch, classes) and `covariance` (batch, classes, classes), as "
+            f"`glm_predictive` returns them; got {shape} and "
+            f"{jnp.shape(covariance)}. For per-class variances `var`, pass "
+            "`jax.vmap(jnp.diag)(var)`."
+        )
 
 
 def laplace_bridge(
@@ -198,6 +229,7 @@ def laplace_bridge(
         # Variance on the leading logit lowers its probability.
         ```
     """
+    _check_gaussian("laplace_bridge", mean, covariance)
     k = mean.shape[-1]
     row = jnp.sum(covariance, axis=-1)
     total = jnp.sum(covariance, axis=(-2, -1))[..., None]
