@@ -2,6 +2,7 @@
 with a clear message where it cannot; never a crash. (Scans: test_scan.py.)"""
 
 import equinox as eqx
+import equinox.internal as eqxi
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,3 +85,41 @@ def test_batchnorm_is_refused_with_a_message():
         ef.curvature(
             loss, model, (x, y, state), estimator=ef.GGN(), structure=ef.Diagonal()
         )
+
+
+class _CheckpointedLoop(eqx.Module):
+    a: eqx.nn.Linear
+    b: eqx.nn.Linear
+
+    def __call__(self, x):
+        def body(carry):
+            i, h = carry
+            return i + 1, jnp.tanh(self.b(h))
+
+        _, h = eqxi.while_loop(
+            lambda c: c[0] < 2, body, (0, self.a(x)), max_steps=4, kind="checkpointed"
+        )
+        return h
+
+
+def test_a_checkpointed_while_loop_is_found_and_refused_by_jax_not_crashed():
+    # `eqx.internal.while_loop(kind="checkpointed")` (diffrax's adjoint) made the
+    # tracer fail with an IndexError (a custom_jvp call with no outputs). Its
+    # layers are now reported; the curvature meets JAX's own refusal, because
+    # the inlined loop has no reverse-mode derivative (docs/layers.md).
+    model = _CheckpointedLoop(
+        eqx.nn.Linear(3, 3, dtype=F64, key=jax.random.key(0)),
+        eqx.nn.Linear(3, 3, dtype=F64, key=jax.random.key(1)),
+    )
+    x = jax.random.normal(jax.random.key(2), (4, 3), F64)
+
+    def loss(model, batch):
+        return ef.squared_error(jax.vmap(model)(batch[0]), batch[1])
+
+    batch = (x, jnp.zeros((4, 3), F64))
+    report = ef.find_layers(loss, model, batch)
+    assert [layer.name for layer in report.layers] == ["a"]
+    assert len(report.unmatched) == 2
+    assert all("`while`" in reason for reason in report.reasons)
+    with pytest.raises(ValueError, match="Reverse-mode differentiation does not work"):
+        ef.curvature(loss, model, batch, estimator=ef.GGN(), structure=ef.Diagonal())

@@ -373,7 +373,7 @@ def candidates(graph: Graph) -> tuple[Candidate, ...]:
     equations that also match inside its computation are no layers."""
     # An equation whose output nothing reads (jax 0.9 keeps them) is no layer:
     # it adds no curvature.
-    read = [node for node in graph.program.nodes if node.outs[0] is not None]
+    read = [n for n in graph.program.nodes if n.outs and n.outs[0] is not None]
     cores = []
     for node in read:
         match = _CORE_MATCHERS.get(node.name)
