@@ -108,7 +108,7 @@ def test_kfac_like_of_another_model_names_the_block_that_differs(jit):
     params = _params(model)
     update = eqx.filter_jit(opt.update) if jit else opt.update
     match = (
-        r"kfac_preconditioner\.update\(\.\.\., curvature=\.\.\.\)`: the curvature "
+        r"optim\.kfac\(\.\.\.\)\.update\(\.\.\., curvature=\.\.\.\)`: the curvature "
         r"has other blocks or shapes than the optimiser's `like=`: block `layers\[0\]` "
         rf"\(KroneckerFactored\) has a \({D_IN + 1}, {D_IN + 1}\), g \(5, 5\) in "
         rf"`like` but a \({D_IN + 1}, {D_IN + 1}\), g \(7, 7\) in `curvature=`"

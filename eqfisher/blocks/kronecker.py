@@ -199,6 +199,26 @@ def _inverse_tangent(inverse: Array, d_factor: Array, d_shift: Array) -> Array:
     return -inverse @ d_m @ inverse
 
 
+@jax.custom_jvp
+def _kronecker_solve(a: Array, g: Array, matrix: Array, damping: Array) -> Array:
+    """X with G X A + damping·X = `matrix`: (G⊗A + λI)⁻¹ in matrix form, through
+    the factors' clamped eigendecompositions."""
+    (s_a, q_a), (s_g, q_g) = _clamped_eigh(a), _clamped_eigh(g)
+    factor = 1 / (s_g[:, None] * s_a[None, :] + damping)
+    return rotate_scale(matrix, q_g, q_a, factor)
+
+
+@_kronecker_solve.defjvp
+def _kronecker_solve_jvp(primals, tangents):
+    # No derivative of `eigh`, which is undefined (NaN) where eigenvalues repeat
+    # (two always-zero inputs): d X = (K + λI)⁻¹ (dM − dG X A − G X dA − dλ X).
+    a, g, matrix, damping = primals
+    d_a, d_g, d_matrix, d_damping = tangents
+    x = _kronecker_solve(a, g, matrix, damping)
+    rhs = d_matrix - _left(d_g, _right(x, a)) - _left(g, _right(x, d_a))
+    return x, _kronecker_solve(a, g, rhs - d_damping * x, damping)
+
+
 def _shifted_inverse(factor: Factor, shift: Array, eig: Eigh | None) -> Factor:
     # (factor + shift·I)⁻¹ for a PSD factor and shift > 0: from the cached
     # eigendecomposition when there is one; for a small factor, from its clamped
@@ -452,6 +472,8 @@ class KroneckerFactored(AbstractBlock):
     def solve(self, vector: Operand, damping: ScalarLike) -> Operand:
         matrix = self._matrix(vector, "solve")
         damping = check_damping(damping, self.a.dtype)
+        if self.a_eig is None or self.g_eig is None:
+            return self._operand(_kronecker_solve(self.a, self.g, matrix, damping))
         (s_a, q_a), (s_g, q_g) = self._eighs()
         factor = 1 / (s_g[:, None] * s_a[None, :] + damping)
         return self._operand(rotate_scale(matrix, q_g, q_a, factor))
