@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import lineax as lx
 from jaxtyping import Array, Float, PyTree
 
+from . import _compat
 from ._stop_hessian import stop_hessian as stop_hessian
 from ._tracer import StagedLoss, split
 
@@ -30,15 +31,38 @@ def _tag_fn(loss_fn: Callable, model: PyTree, batch: PyTree, caller: str):
         ev = processed.run(leaves + s.others + s.batch)
         return tuple(t[0] for t in ev.tags), processed.losses(ev, coefs)
 
-    return fn, eqx.filter(model, eqx.is_inexact_array)
+    forward_only = _has_custom_vjp([n.eqn for n in processed.program.nodes])
+    return fn, eqx.filter(model, eqx.is_inexact_array), forward_only
+
+
+def _has_custom_vjp(eqns) -> bool:
+    """Whether a `jax.custom_vjp` call is among `eqns` or inside their bodies."""
+    return any(
+        eqn.primitive.name.startswith("custom_vjp")
+        or any(
+            _has_custom_vjp(j.eqns)
+            for value in eqn.params.values()
+            for j in _compat.sub_jaxprs(value)
+        )
+        for eqn in eqns
+    )
 
 
 def _output_product(
     loss_fn, model, batch, caller, weigh: Callable
 ) -> lx.FunctionLinearOperator:
-    fn, params = _tag_fn(loss_fn, model, batch, caller)
-    _, jvp_fn, losses = jax.linearize(fn, params, has_aux=True)
-    vjp_fn = jax.linear_transpose(jvp_fn, params)
+    fn, params, custom_vjp = _tag_fn(loss_fn, model, batch, caller)
+    if custom_vjp:
+        # A `jax.custom_vjp` has no forward-mode rule: J v is the transpose of
+        # the (linear) VJP, as `jax.jacrev` works where `jax.jacfwd` cannot.
+        outs, vjp_fn, losses = jax.vjp(fn, params, has_aux=True)
+        transposed = jax.linear_transpose(vjp_fn, outs)
+
+        def jvp_fn(v):
+            return transposed((v,))[0]
+    else:
+        _, jvp_fn, losses = jax.linearize(fn, params, has_aux=True)
+        vjp_fn = jax.linear_transpose(jvp_fn, params)
 
     def mv(v):
         jv = jvp_fn(v)

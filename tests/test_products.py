@@ -5,6 +5,7 @@ import functools as ft
 
 import equinox as eqx
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
@@ -212,3 +213,65 @@ def test_empirical_fisher_operator_sums_an_examples_positions(heads):
         loss_fn, model, batch, estimator=ef.EmpiricalFisher(), structure=ef.Dense()
     )
     np.testing.assert_allclose(curv.as_matrix(), expected, rtol=1e-10, atol=1e-14)
+
+
+@jax.custom_vjp
+def _softplus(x):
+    return jnp.logaddexp(x, 0.0)
+
+
+def _softplus_fwd(x):
+    return _softplus(x), x
+
+
+def _softplus_bwd(x, g):
+    return (g * jax.nn.sigmoid(x),)
+
+
+_softplus.defvjp(_softplus_fwd, _softplus_bwd)
+
+
+class _CustomActivation(eqx.Module):
+    a: eqx.nn.Linear
+    b: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.b(jax.jit(_softplus)(self.a(x)))  # inside a jit, too
+
+
+def test_output_products_through_a_custom_vjp_outside_the_layers():
+    # A custom_vjp has no forward-mode rule: `mv` failed with JAX's "can't apply
+    # forward-mode autodiff"; J v now comes from the transposed VJP.
+    f64 = jnp.float64
+    model = _CustomActivation(
+        eqx.nn.Linear(3, 4, dtype=f64, key=jax.random.key(0)),
+        eqx.nn.Linear(4, 2, dtype=f64, key=jax.random.key(1)),
+    )
+    x = jax.random.normal(jax.random.key(2), (5, 3), f64)
+    y = jnp.array([0, 1, 1, 0, 1])
+
+    def loss(model, batch):
+        return ef.softmax_cross_entropy(jax.vmap(model)(batch[0]), batch[1])
+
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    flat, unravel = jax.flatten_util.ravel_pytree(params)
+
+    def outputs(theta):
+        return jax.vmap(eqx.combine(unravel(theta), static))(x)
+
+    jac = jax.jacrev(outputs)(flat)  # (5, 2, P): jacfwd cannot
+    p = jax.nn.softmax(outputs(flat))
+    h = jax.vmap(lambda q: jnp.diag(q) - jnp.outer(q, q))(p) / len(y)
+    ggn = jnp.einsum("nip,nij,njq->pq", jac, h, jac)
+    g_out = (p - jax.nn.one_hot(y, 2, dtype=f64)) / len(y)
+    grads = jnp.einsum("ni,nip->np", g_out, jac)
+    empirical = len(y) * grads.T @ grads
+    np.testing.assert_allclose(
+        ef.ggn_operator(loss, model, (x, y)).as_matrix(), ggn, rtol=1e-12, atol=1e-14
+    )
+    np.testing.assert_allclose(
+        ef.empirical_fisher_operator(loss, model, (x, y)).as_matrix(),
+        empirical,
+        rtol=1e-12,
+        atol=1e-14,
+    )
