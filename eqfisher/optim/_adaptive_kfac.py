@@ -5,6 +5,7 @@ from typing import NamedTuple, cast
 import jax
 import jax.numpy as jnp
 import optax
+from jaxtyping import ScalarLike
 
 from .._curvature import Curvature
 from ._damping import Tikhonov
@@ -12,7 +13,9 @@ from ._kfac import fold, guard, initial_state, precondition, receive
 from ._quadratic_model import AdaptiveState, adaptive_steps
 from ._state import (
     KFACState,
+    check_positive_int,
     check_preconditioner_args,
+    check_range,
 )
 
 
@@ -46,16 +49,21 @@ def kfac_adaptive(
     decay: float = 0.95,
     inverse_every: int = 1,
     adapt_every: int = 5,
-    weight_decay: float = 0.0,
+    weight_decay: ScalarLike = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
     r"""K-FAC with the learning rate, momentum and damping chosen automatically.
 
-    Each step minimises the exact Gauss-Newton quadratic model over
-    $\alpha \Delta + \mu \delta_{-1}$ ($\Delta = -(\bar C + \lambda I)^{-1} g$ the
-    preconditioned direction, $\delta_{-1}$ the last update), and every
-    `adapt_every` steps adapts the damping $\lambda$ by the Levenberg–Marquardt rule
-    on the ratio of the actual to the predicted loss reduction (Martens & Grosse
-    2015). Meant for large batches: the model is that of one batch.
+    The objective is the loss plus $\frac{\eta}{2}\lVert\theta\rVert^2$ ($\eta$ =
+    `weight_decay`), whose curvature is $G + \eta I$ ($G$ the batch's exact
+    Gauss-Newton matrix). Each step minimises the damped quadratic model,
+    curvature $G + (\eta + \lambda) I$, over $\alpha \Delta + \mu \delta_{-1}$
+    ($\Delta = -(\bar C + (\eta + \lambda) I)^{-1} g$ the preconditioned direction,
+    $\delta_{-1}$ the last update; over $\alpha$ alone when $\delta_{-1}$ is zero or
+    parallel to $\Delta$, and no step when $\Delta$ is zero or a term is not
+    finite), and every `adapt_every` steps adapts the damping $\lambda$ by the
+    Levenberg–Marquardt rule on $\rho$, the objective's change over that of the
+    undamped model $G + \eta I$ (Martens & Grosse 2015, §6.5–7; kfac_jax's
+    default). Meant for large batches: the model is that of one batch.
 
     **Arguments:**
 
@@ -64,8 +72,9 @@ def kfac_adaptive(
     - `decay`: see `kfac_preconditioner`.
     - `inverse_every`: as in `kfac_preconditioner`; $\lambda$ changes take effect at
       the next refresh (with the default 1, at once).
-    - `adapt_every`: steps between Levenberg–Marquardt adaptations.
-    - `weight_decay`: added to the gradient before preconditioning.
+    - `adapt_every`: steps between Levenberg–Marquardt adaptations, a positive int.
+    - `weight_decay`: $\eta \ge 0$, the objective's ℓ2 coefficient: $\eta\theta$ is
+      added to the gradient and $\eta I$ to the curvature.
 
     **Returns:**
 
@@ -104,11 +113,18 @@ def kfac_adaptive(
     check_preconditioner_args(
         caller, like, "initial_damping", initial_damping, decay, inverse_every
     )
-    steps = adaptive_steps(initial_damping=initial_damping, adapt_every=adapt_every)
+    check_positive_int(caller, "adapt_every", adapt_every)
+    check_range(caller, "weight_decay", weight_decay, 0.0, None, True)
+    steps = adaptive_steps(
+        initial_damping=initial_damping,
+        adapt_every=adapt_every,
+        weight_decay=weight_decay,
+    )
     exact = Tikhonov()
 
     def init(params):
-        lam = jnp.asarray(initial_damping)
+        # The objective's ℓ2 term is part of its curvature: (C̄ + (λ + wd)I)⁻¹.
+        lam = jnp.asarray(initial_damping) + weight_decay
         sstate = cast(AdaptiveState, steps.init(params))  # what adaptive_steps keeps
         return AdaptiveKFACState(initial_state(like, lam, exact), sstate)
 
@@ -123,13 +139,13 @@ def kfac_adaptive(
         **extra,
     ):
         del extra
-        if weight_decay:
+        if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
             updates = jax.tree_util.tree_map(
                 lambda g, p: g + weight_decay * p, updates, params
             )
 
         def fold_in(kstate, curvature):
-            lam = state.steps.damping
+            lam = state.steps.damping + weight_decay
             return fold(caller, kstate, curvature, lam, decay, inverse_every, exact)
 
         updates, kstate = receive(

@@ -12,7 +12,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Float, Int, PyTree
+from jaxtyping import Array, Float, Int, PyTree, ScalarLike
 
 from .._products import ggn_operator
 
@@ -85,15 +85,20 @@ def adaptive_steps(
     *,
     initial_damping: float,
     adapt_every: int = 5,
+    weight_decay: ScalarLike = 0.0,
     min_damping: float = 1e-8,
     max_damping: float = 1e3,
 ) -> optax.GradientTransformationExtraArgs:
     """Turns a preconditioned direction Δ into the update αΔ + μδ₋₁ that minimises
-    the exact quadratic model, and adapts the damping by its reduction ratio.
+    the damped quadratic model, and adapts the damping by its reduction ratio.
 
-    Expects the incoming updates to be −(C + λI)⁻¹g for the damping λ it keeps in its
-    state (`kfac(..., adaptive=True)` wires this up) and the extra arguments
-    `quadratic=` (a `QuadraticModel`) and `grads=`.
+    The objective is the loss plus `weight_decay`/2·‖θ‖² (its curvature adds
+    `weight_decay`·I); the model over the step is that curvature plus λI, and the
+    reduction ratio compares the objective's change with the undamped model's, as
+    Martens & Grosse (2015, §6.5) and kfac_jax do. Expects the incoming updates to
+    be −(C + (λ + weight_decay)I)⁻¹g for the damping λ it keeps in its state
+    (`kfac_adaptive` wires this up), `grads=` the objective's gradient, and
+    `quadratic=` (a `QuadraticModel`) the loss's.
     """
     omega = (19.0 / 20.0) ** adapt_every
 
@@ -108,14 +113,23 @@ def adaptive_steps(
                 " model, batch)` in `update(...)`."
             )
         delta, prev = updates, state.previous
-        gram, b = _damped_system(quadratic, grads, delta, prev, state.damping)
-        alpha, mu = _coefficients(gram, b, first=state.count == 0)
+        vectors = [delta, prev]
+        curvature = quadratic.gram(vectors)
+        norms = _vdots(vectors, vectors).astype(curvature.dtype)
+        b = _vdots([grads], vectors)[0].astype(curvature.dtype)
+        undamped = curvature + weight_decay * norms  # the objective's curvature
+        alpha, mu = _coefficients(undamped + state.damping * norms, b)
         step = jax.tree.map(lambda d, p: alpha * d + mu * p, delta, prev)
-        # M(δ) − M(0) at the minimiser: −½ bᵀA⁻¹b
-        reduction = 0.5 * jnp.dot(b, jnp.stack([alpha, mu]))
+        # M(δ) − M(0) of the undamped model: bᵀc + ½ cᵀ A c.
+        c = jnp.stack([alpha, mu])
+        reduction = jnp.dot(b, c) + 0.5 * c @ undamped @ c
+
+        def objective(params):
+            squares = sum(jnp.sum(jnp.square(p)) for p in jax.tree.leaves(params))
+            return quadratic.loss(params) + 0.5 * weight_decay * squares
 
         def adapt(lam):
-            rho = _reduction_ratio(quadratic, params, step, reduction)
+            rho = _reduction_ratio(objective, params, step, reduction)
             lam = jnp.where(rho > 0.75, lam * omega, lam)
             lam = jnp.where(rho < 0.25, lam / omega, lam)
             lam = jnp.clip(lam, min_damping, max_damping)
@@ -154,28 +168,27 @@ def _initial_state(params: PyTree, initial_damping: float) -> AdaptiveState:
     )
 
 
-def _damped_system(
-    quadratic: QuadraticModel, grads: PyTree, delta: PyTree, prev: PyTree, lam
-) -> tuple[Array, Array]:
-    """The quadratic model over `α Δ + μ δ₋₁` as `(A, b)`: A = [Δ, δ₋₁]ᵀ(G + λI)
-    [Δ, δ₋₁] and b = [Δ, δ₋₁]ᵀg."""
-    gram = quadratic.gram([delta, prev])
-    gram = gram + lam * _vdots([delta, prev], [delta, prev]).astype(gram.dtype)
-    b = _vdots([grads], [delta, prev])[0].astype(gram.dtype)
-    return gram, b
-
-
-def _coefficients(gram: Array, b: Array, first) -> tuple[Array, Array]:
-    """`(α, μ)` minimising the quadratic model; at the first step there is no
-    previous update, so only α (μ = 0)."""
-    alpha_only = -b[0] / gram[0, 0]
-    coeffs = jnp.linalg.solve(jnp.where(first, jnp.eye(2, dtype=gram.dtype), gram), -b)
-    return jnp.where(first, alpha_only, coeffs[0]), jnp.where(first, 0.0, coeffs[1])
+def _coefficients(gram: Array, b: Array) -> tuple[Array, Array]:
+    """`(α, μ)` minimising ½ cᵀ A c + bᵀc over c = (α, μ), A = `gram` the model's
+    Gram matrix of [Δ, δ₋₁]. With no previous update (δ₋₁ = 0: the first step,
+    or after a zero step) or one parallel to Δ, over α alone (μ = 0); with
+    Δ = 0 (a skipped direction) or non-finite terms (NaN gradients), no step."""
+    a00, a01, a11 = gram[0, 0], gram[0, 1], gram[1, 1]
+    alpha_only = -b[0] / jnp.where(a00 > 0, a00, 1)
+    # Singular where δ₋₁ = 0 or δ₋₁ ∥ Δ (1 − cos² below the dtype's precision).
+    tolerance = float(jnp.finfo(gram.dtype).eps) ** 0.5
+    both = (a00 * a11 - a01**2) > tolerance * a00 * a11
+    eye = jnp.eye(2, dtype=gram.dtype)
+    coeffs = jnp.linalg.solve(jnp.where(both, gram, eye), -b)
+    alpha = jnp.where(both, coeffs[0], jnp.where(a00 > 0, alpha_only, 0))
+    mu = jnp.where(both, coeffs[1], 0)
+    finite = jnp.isfinite(alpha) & jnp.isfinite(mu)
+    return jnp.where(finite, alpha, 0), jnp.where(finite, mu, 0)
 
 
 def _reduction_ratio(
-    quadratic: QuadraticModel, params: PyTree, step: PyTree, reduction
+    objective: Callable, params: PyTree, step: PyTree, reduction
 ) -> Array:
-    """ρ: the loss's change by `step` over the quadratic model's."""
+    """ρ: the objective's change by `step` over the quadratic model's."""
     new_params = jax.tree.map(lambda p, s: p + s, params, step)
-    return (quadratic.loss(new_params) - quadratic.loss(params)) / reduction
+    return (objective(new_params) - objective(params)) / reduction
