@@ -1,13 +1,18 @@
 """`refused_where`: a check on values that may be concrete or traced."""
 
+from typing import TypeVar
+
 import equinox as eqx
 import jax
 import jax.core
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, PyTree
+from jaxtyping import Array, Bool
 
 
-def refused_where(carrier: PyTree, bad: Bool[Array, "..."], message: str) -> PyTree:
+_Carrier = TypeVar("_Carrier")
+
+
+def refused_where(carrier: _Carrier, bad: Bool[Array, "..."], message: str) -> _Carrier:
     """`carrier`, after checking that `bad` is False everywhere: a concrete `bad`
     that is not raises `ValueError`, a traced one Equinox's runtime error
     (`eqx.error_if`, attached to `carrier`, so the check runs wherever `carrier`

@@ -70,7 +70,7 @@ def _one_key(key) -> bool:
     dtype = getattr(key, "dtype", None)
     if dtype is None:
         return False
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
         return jnp.shape(key) == ()
     return dtype == jnp.uint32 and jnp.shape(key) in ((2,), (4,))  # threefry, rbg
 

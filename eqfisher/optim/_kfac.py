@@ -422,7 +422,7 @@ def kfac(
     momentum: ScalarLike = 0.0,
     decay: ScalarLike = 0.95,
     inverse_every: int | Int[Array, ""] = 10,
-    weight_decay: ScalarLike = 0.0,
+    weight_decay: float | Array = 0.0,
     damping_variant: AbstractDamping = FactoredTikhonov(),  # noqa: B008 (an immutable Module)
     graft: optax.GradientTransformation | None = flatten_if_small(  # noqa: B008 (stateless)
         optax.scale_by_adam()  # noqa: B008
