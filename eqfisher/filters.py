@@ -102,8 +102,13 @@ class _ByPath(AbstractFilter):
         # `re` caches compiled patterns, so translating the glob per call is cheap.
         parts = self.pattern.removeprefix(".").split("*")
         regex = ".*".join(re.escape(part) for part in parts)
-        key = jtu.keystr(path).removeprefix(".")
-        return re.fullmatch(regex, key, re.DOTALL) is not None
+        # With and without the leading `.`: `*.weight` also picks a model's own
+        # top-level `.weight`.
+        key = jtu.keystr(path)
+        return any(
+            re.fullmatch(regex, k, re.DOTALL) is not None
+            for k in (key, key.removeprefix("."))
+        )
 
     def __repr__(self) -> str:
         return f"by_path({self.pattern!r})"

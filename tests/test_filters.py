@@ -104,6 +104,16 @@ def test_brackets_are_literal():
         filters.mask(model, filters.by_path("encoder.layers[01]*"))
 
 
+def test_a_pattern_with_a_leading_star_picks_a_top_level_leaf():
+    # "*.weight" ("every weight, at any depth") missed the `.weight` of a model
+    # that is itself a Linear.
+    model = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+    picked = filters.mask(model, filters.by_path("*.weight"))
+    assert picked.weight is True and picked.bias is False
+    nested = filters.mask(Net(jax.random.key(0)), filters.by_path("*.weight"))
+    assert nested.head.weight is True and nested.head.bias is False
+
+
 def test_params():
     model = Net(jax.random.key(0))
     p = filters.params(model)
