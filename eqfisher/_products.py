@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import lineax as lx
 from jaxtyping import Array, Float, PyTree
 
-from . import _compat
 from ._stop_hessian import stop_hessian as stop_hessian
 from ._tracer import StagedLoss, split
 
@@ -31,21 +30,7 @@ def _tag_fn(loss_fn: Callable, model: PyTree, batch: PyTree, caller: str):
         ev = processed.run(leaves + s.others + s.batch)
         return tuple(t[0] for t in ev.tags), processed.losses(ev, coefs)
 
-    forward_only = _has_custom_vjp([n.eqn for n in processed.program.nodes])
-    return fn, eqx.filter(model, eqx.is_inexact_array), forward_only
-
-
-def _has_custom_vjp(eqns) -> bool:
-    """Whether a `jax.custom_vjp` call is among `eqns` or inside their bodies."""
-    return any(
-        eqn.primitive.name.startswith("custom_vjp")
-        or any(
-            _has_custom_vjp(j.eqns)
-            for value in eqn.params.values()
-            for j in _compat.sub_jaxprs(value)
-        )
-        for eqn in eqns
-    )
+    return fn, eqx.filter(model, eqx.is_inexact_array), processed.calls_custom_vjp
 
 
 def _output_product(

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 import equinox as eqx
 import jax
-import jax.core
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, Shaped
 
@@ -260,11 +259,9 @@ class Categorical(AbstractLossFamily):
             f"[0, {classes}) (logits.shape[-1] = {classes}); for padding, give those "
             "examples weight 0 with `mask=`."
         )
-        if isinstance(targets, jax.core.Tracer) or isinstance(mask, jax.core.Tracer):
-            targets = eqx.error_if(targets, bad, message)
-        elif bool(jnp.any(bad)):
-            first = targets[bad][0]
-            raise ValueError(f"{message} Got {int(first)}.")
+        targets = _refusal.refused_where(
+            targets, bad, message, lambda: str(int(targets[bad][0]))
+        )
         return jnp.where(mask != 0, targets, jnp.zeros_like(targets))
 
     def checked_mask(self, inputs, targets, mask, caller):

@@ -849,29 +849,19 @@ def test_a_key_that_is_not_one_prng_key_is_named(key, unchecked):
         "split": jax.random.split(jax.random.key(0), 2),
         "floats": jnp.array([1.0, 2.0]),
     }[key]
-    with pytest.raises(TypeError, match=r"key=\.\.\.\)`: one PRNG key"):
-        ef.curvature(
+
+    def sampled(key):
+        return ef.curvature(
             loss_fn,
             model,
             batch,
             estimator=ef.FisherMC(),
             structure=ef.Dense(),
-            key=bad,
+            key=key,
         )
-    legacy = ef.curvature(
-        loss_fn,
-        model,
-        batch,
-        estimator=ef.FisherMC(),
-        structure=ef.Dense(),
-        key=jax.random.PRNGKey(3),
-    )
-    typed = ef.curvature(
-        loss_fn,
-        model,
-        batch,
-        estimator=ef.FisherMC(),
-        structure=ef.Dense(),
-        key=jax.random.wrap_key_data(jax.random.PRNGKey(3)),
-    )
+
+    with pytest.raises(TypeError, match=r"key=\.\.\.\)`: one PRNG key"):
+        sampled(bad)
+    legacy = sampled(jax.random.PRNGKey(3))
+    typed = sampled(jax.random.wrap_key_data(jax.random.PRNGKey(3)))
     np.testing.assert_array_equal(legacy.as_matrix(), typed.as_matrix())

@@ -57,6 +57,13 @@ class LossProgram:
     def num_tags(self) -> int:
         return len(self.families)
 
+    @property
+    def calls_custom_vjp(self) -> bool:
+        """Whether a `jax.custom_vjp` call is left in the program (one holding no
+        layer is not inlined), or inside a call's body: forward mode has no rule
+        for it."""
+        return _calls_custom_vjp([n.eqn for n in self.program.nodes])
+
     def parts(self, leaves: Sequence[int]) -> list[int]:
         """The parameters that partition the given leaves: each leaf itself, or the
         finest units of a stacked leaf, in order."""
@@ -167,6 +174,18 @@ class Split:
     @property
     def inputs(self) -> list[Any]:
         return self.params + self.others + self.batch
+
+
+def _calls_custom_vjp(eqns) -> bool:
+    return any(
+        eqn.primitive.name.startswith("custom_vjp")
+        or any(
+            _calls_custom_vjp(j.eqns)
+            for value in eqn.params.values()
+            for j in _compat.sub_jaxprs(value)
+        )
+        for eqn in eqns
+    )
 
 
 def split(model: PyTree, batch: PyTree) -> Split:

@@ -203,7 +203,11 @@ def _inverse_tangent(inverse: Array, d_factor: Array, d_shift: Array) -> Array:
 def _kronecker_solve(a: Array, g: Array, matrix: Array, damping: Array) -> Array:
     """X with G X A + damping·X = `matrix`: (G⊗A + λI)⁻¹ in matrix form, through
     the factors' clamped eigendecompositions."""
-    (s_a, q_a), (s_g, q_g) = _clamped_eigh(a), _clamped_eigh(g)
+    return _eigen_solve(_clamped_eigh(a), _clamped_eigh(g), matrix, damping)
+
+
+def _eigen_solve(a_eig: Eigh, g_eig: Eigh, matrix: Array, damping: Array) -> Array:
+    (s_a, q_a), (s_g, q_g) = a_eig, g_eig
     factor = 1 / (s_g[:, None] * s_a[None, :] + damping)
     return rotate_scale(matrix, q_g, q_a, factor)
 
@@ -474,9 +478,7 @@ class KroneckerFactored(AbstractBlock):
         damping = check_damping(damping, self.a.dtype)
         if self.a_eig is None or self.g_eig is None:
             return self._operand(_kronecker_solve(self.a, self.g, matrix, damping))
-        (s_a, q_a), (s_g, q_g) = self._eighs()
-        factor = 1 / (s_g[:, None] * s_a[None, :] + damping)
-        return self._operand(rotate_scale(matrix, q_g, q_a, factor))
+        return self._operand(_eigen_solve(*self._eighs(), matrix, damping))
 
     def pi_damped_inverse(self, damping: ScalarLike) -> "KroneckerFactored":
         r"""Martens & Grosse's factored Tikhonov damping, inverted: a Kronecker block.

@@ -16,6 +16,7 @@ from ._state import (
     check_positive_int,
     check_preconditioner_args,
     check_range,
+    is_constant_zero,
 )
 
 
@@ -139,7 +140,7 @@ def kfac_adaptive(
         **extra,
     ):
         del extra
-        if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
+        if not is_constant_zero(weight_decay):
             updates = jax.tree_util.tree_map(
                 lambda g, p: g + weight_decay * p, updates, params
             )

@@ -23,6 +23,7 @@ from ._state import (
     choose_tree,
     float_type,
     is_constant,
+    is_constant_zero,
     like_mismatch,
     require_estimate,
     sum_squares,
@@ -515,12 +516,9 @@ def kfac(
     parts: list[optax.GradientTransformation] = [
         preconditioner if graft is None else grafted(preconditioner, graft)
     ]
-    if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
-        # An array (`optax.inject_hyperparams` passes every numeric argument as
-        # one) always gets the term, as an array momentum gets the trace.
+    if not is_constant_zero(weight_decay):
         parts.append(optax.add_decayed_weights(weight_decay))
-    if not (isinstance(momentum, (int, float)) and momentum == 0):
-        # An array momentum (e.g. one swept under `vmap`) always gets the trace.
+    if not is_constant_zero(momentum):
         parts.append(optax.trace(decay=momentum))
     parts.append(optax.scale_by_learning_rate(learning_rate))
     return optax.chain(*parts)

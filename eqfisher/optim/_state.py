@@ -13,6 +13,7 @@ import optax
 from jaxtyping import Array, Float, Int, PyTree
 
 from .._curvature import Curvature
+from .._refusal import refused_where
 from ._damping import FactoredTikhonov
 
 
@@ -110,6 +111,14 @@ def check_range(
         )
 
 
+def is_constant_zero(value: Any) -> bool:
+    """Whether an optional term's coefficient is a Python 0, so that its
+    transformation is left out. An array (one swept under `vmap`, or
+    `optax.inject_hyperparams`'s) always gets it: the state's structure must not
+    depend on its value."""
+    return isinstance(value, (int, float)) and value == 0
+
+
 def is_constant(value: Any) -> bool:
     """Whether a hyperparameter is a constant known when the optimiser is built
     (checked then, by `check_range`), not a schedule or a traced array (checked at
@@ -173,11 +182,7 @@ def checked_at(
     )
     value = jnp.asarray(value)
     ok = jnp.isfinite(value) & ((value >= 0) if allow_zero else (value > 0))
-    if isinstance(ok, jax.core.Tracer):
-        return eqx.error_if(carrier, ~ok, message)
-    if not bool(ok):
-        raise ValueError(f"{message} Got {value.item()!r}.")
-    return carrier
+    return refused_where(carrier, ~ok, message, lambda: repr(value.item()))
 
 
 def require_estimate(
@@ -199,11 +204,7 @@ def require_estimate(
     none = state.curvature_count + state.nonfinite_count == 0
     if unless is not None:
         none = none & ~unless
-    if isinstance(none, jax.core.Tracer):
-        return eqx.error_if(updates, none, message)
-    if bool(none):
-        raise ValueError(message)
-    return updates
+    return refused_where(updates, none, message)
 
 
 def float_type(leaves: Sequence[Array]) -> type:
