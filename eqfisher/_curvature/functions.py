@@ -178,21 +178,30 @@ def value_grad_and_curvature(
 
 
 def value_grad_then_curvature(
-    loss_fn: Callable, *, estimator: AbstractEstimator, structure: AbstractStructure
+    loss_fn: Callable,
+    *,
+    estimator: AbstractEstimator,
+    structure: AbstractStructure,
+    has_aux: bool = False,
+    where: AbstractFilter | PyTree | None = None,
+    examples: AbstractExamples = IndependentExamples(),  # noqa: B008 (an immutable Module)
+    caller: str = "eqfisher.value_grad_and_curvature",
 ) -> Callable:
     """`value_grad_and_curvature(loss_fn, ...)` in two parts, for a step that
     computes the curvature only at some steps (`eqfisher.optim.kfac_step`).
 
-    `fn(model, batch, key=None) -> (loss, grads, curvature)`, called inside jit,
-    runs the forward of the whole batch and the gradient; `curvature()` the rest
-    of `value_grad_and_curvature`'s work, from the same forward, and returns its
-    `Curvature`. Called inside a `lax.cond`, only that rest is conditional: the
-    model is compiled once, its forward's residuals are the `cond`'s operands.
+    `fn(model, batch, key=None) -> (value, grads, curvature)`, called inside jit,
+    runs the forward of the whole batch and the gradient (`value` is `(loss, aux)`
+    with `has_aux`); `curvature()` the rest of `value_grad_and_curvature`'s work,
+    from the same forward, and returns its `Curvature`. Called inside a
+    `lax.cond`, only that rest is conditional: the model is compiled once, its
+    forward's residuals are the `cond`'s operands. `caller` is the name errors give.
     """
-    caller = "eqfisher.value_grad_and_curvature"
-    staged = StagedLoss(loss_fn, caller, "loss", takes_has_aux=True)
+    staged = StagedLoss(
+        loss_fn, caller, _returns(caller, has_aux, False), takes_has_aux=True
+    )
     cotangent_fn = functools.partial(_cotangents, which=0)
-    builder = Builder(staged, estimator, structure, None, caller, IndependentExamples())
+    builder = Builder(staged, estimator, structure, where, caller, examples)
 
     def fn(model, batch, key=None):
         check_args(caller, estimator, structure, key, builder.examples)
@@ -205,7 +214,8 @@ def value_grad_then_curvature(
 
         outputs = forward.lin.program_outputs
         assert outputs is not None  # linearised with `value_and_grad`
-        return outputs[0], _like_params(model, forward.grads), curvature
+        value = _value(loss_fn, model, batch, outputs, has_aux)
+        return value, _like_params(model, forward.grads), curvature
 
     return fn
 

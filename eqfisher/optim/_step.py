@@ -10,10 +10,13 @@ from jaxtyping import PyTree
 
 from .._curvature import (
     AbstractEstimator,
+    AbstractExamples,
     AbstractStructure,
+    IndependentExamples,
     value_grad_and_curvature,
     value_grad_then_curvature,
 )
+from ..filters import AbstractFilter
 from ._compile import fast_compile_options, filter_jit_with_options
 from ._state import check_positive_int, find_kfac_state
 
@@ -38,6 +41,21 @@ def _leading(batch: PyTree, size: int | None) -> PyTree:
     return jax.tree_util.tree_map(lambda x: x[:size], batch)
 
 
+def _check_leading(examples: AbstractExamples) -> None:
+    """Refuses `curvature_batch_size` for examples along another axis than the
+    leading one of every leaf (which is where `_leading` takes them from)."""
+    axis = getattr(examples, "axis", 0)
+    if isinstance(examples, IndependentExamples) and not (
+        isinstance(axis, int) and axis == 0
+    ):
+        raise ValueError(
+            "`eqfisher.optim.kfac_step(..., curvature_batch_size=...)` takes the "
+            "first examples along the leading axis of every leaf of `batch`, but "
+            f"`examples={examples!r}` puts them elsewhere; put the example axis "
+            "first, or use `curvature_batch_size=None`."
+        )
+
+
 def _due(period: int, opt_state: PyTree) -> int | None:
     """`curvature_due=` for statistics at every `period`-th step, by the K-FAC
     state's count (None when they always are); raises when `opt_state` holds no
@@ -54,6 +72,9 @@ def kfac_step(
     structure: AbstractStructure,
     curvature_update_period: int = 2,
     curvature_batch_size: int | None = None,
+    has_aux: bool = False,
+    where: AbstractFilter | PyTree | None = None,
+    examples: AbstractExamples = IndependentExamples(),  # noqa: B008 (an immutable Module)
     fast_compile: bool = True,
     donate: bool = False,
 ) -> Callable:
@@ -70,11 +91,18 @@ def kfac_step(
 
     **Arguments:**
 
-    - `loss_fn`: `loss_fn(model, batch)`, returning a scalar.
+    - `loss_fn`: `loss_fn(model, batch)`, returning a scalar, or `(loss, aux)`
+      with `has_aux=True`.
     - `optimiser`: a transformation containing one K-FAC preconditioner (`kfac`,
       `kfac_preconditioner` inside an `optax.chain`, ...), built with a `like=`
       from the same `loss_fn`, `estimator` and `structure`.
-    - `estimator`, `structure`: as for `eqfisher.value_grad_and_curvature`.
+    - `estimator`, `structure`, `has_aux`, `where`, `examples`: as for
+      `eqfisher.value_grad_and_curvature`. With `where=`, the curvature covers the
+      parameters it selects, and `optimiser` gets the gradients of all of them:
+      compose it so that K-FAC sees only those, e.g.
+      `optax.chain(optax.masked(kfac, mask), optax.masked(optax.adam(1e-3), rest))`
+      with `mask = eqfisher.filters.optax_mask(model, where)` and `rest` its
+      negation (docs/optim.md).
     - `curvature_update_period`: $k \ge 1$: curvature statistics at steps
       $0, k, 2k, \ldots$ (default 2, from the benchmark grid of `kfac`'s grafted
       defaults: fewer steps to a target than $k = 4$ on all five of its problems;
@@ -83,7 +111,8 @@ def kfac_step(
     - `curvature_batch_size`: `None` (the whole batch), or n: the statistics come
       from the first n examples of every leaf of `batch` (leading axis), the
       gradient from the whole batch (one extra forward and backward on n
-      examples).
+      examples). It needs the examples along the leading axis: refused with
+      `IndependentExamples(axis=...)` other than 0.
     - `fast_compile`: compile `step` with `eqfisher.optim.fast_compile_options()`
       (default): on the CPU with jaxlib 0.9-0.10, its first call compiles in about
       half the time of XLA's defaults and its steps are 0-10% longer
@@ -102,7 +131,8 @@ def kfac_step(
 
     **Returns:**
 
-    `step(model, opt_state, batch, key=None) -> (model, opt_state, loss)`, jitted;
+    `step(model, opt_state, batch, key=None) -> (model, opt_state, value)`,
+    jitted; `value` is the loss, or `(loss, aux)` with `has_aux`;
     `key` is needed by Monte-Carlo estimators. `step.lower(model, opt_state, batch,
     key)` is jax's `Lowered` of that call (`.compile()` to time or inspect the
     compile apart from the run, `.as_text()`), and `step.trace(...)` its `Traced`.
@@ -110,7 +140,9 @@ def kfac_step(
     **Raises:**
 
     `ValueError` when `curvature_update_period` or `curvature_batch_size` is not a
-    positive integer; `TypeError` when `fast_compile` or `donate` is not a bool;
+    positive integer, or `curvature_batch_size` is given with examples along
+    another axis than the leading one; `TypeError` when `has_aux`, `fast_compile`
+    or `donate` is not a bool, or `examples` is not an examples kind;
     at the first step, when `optimiser`'s state holds no K-FAC state, and the
     errors of `eqfisher.value_grad_and_curvature`.
 
@@ -128,27 +160,35 @@ def kfac_step(
             model, state, loss = step(model, state, batch, jax.random.key(i))
         ```
     """
-    caller = "kfac_step"
+    caller = "eqfisher.optim.kfac_step"
     check_positive_int(caller, "curvature_update_period", curvature_update_period)
     if curvature_batch_size is not None:
         check_positive_int(caller, "curvature_batch_size", curvature_batch_size)
-    for name, flag in (("fast_compile", fast_compile), ("donate", donate)):
+        _check_leading(examples)
+    for name, flag in (
+        ("has_aux", has_aux),
+        ("fast_compile", fast_compile),
+        ("donate", donate),
+    ):
         if not isinstance(flag, bool):
-            raise TypeError(
-                f"`eqfisher.optim.kfac_step({name}=...)`: True or False, got {flag!r}."
-            )
-    vgc = value_grad_and_curvature(loss_fn, estimator=estimator, structure=structure)
-    then = value_grad_then_curvature(loss_fn, estimator=estimator, structure=structure)
-    value_and_grad = eqx.filter_value_and_grad(loss_fn)
+            raise TypeError(f"`{caller}({name}=...)`: True or False, got {flag!r}.")
+    options = {"has_aux": has_aux, "where": where, "examples": examples}
+    vgc = value_grad_and_curvature(
+        loss_fn, estimator=estimator, structure=structure, **options
+    )
+    then = value_grad_then_curvature(
+        loss_fn, estimator=estimator, structure=structure, caller=caller, **options
+    )
+    value_and_grad = eqx.filter_value_and_grad(loss_fn, has_aux=has_aux)
 
     def step(model, opt_state, batch, key=None):
         period = curvature_update_period
         params = eqx.filter(model, eqx.is_inexact_array)
         due = _due(period, opt_state)
         if curvature_batch_size is None:
-            loss, grads, curvature = then(model, batch, key)
+            value, grads, curvature = then(model, batch, key)
         else:
-            loss, grads = value_and_grad(model, batch)
+            value, grads = value_and_grad(model, batch)
             sub = _leading(batch, curvature_batch_size)
 
             def curvature():
@@ -164,9 +204,9 @@ def kfac_step(
             params,
             curvature=curvature,
             curvature_due=due,
-            value=loss,
+            value=value[0] if has_aux else value,
         )
-        return eqx.apply_updates(model, updates), opt_state, loss
+        return eqx.apply_updates(model, updates), opt_state, value
 
     return filter_jit_with_options(
         step, fast_compile_options() if fast_compile else {}, 2 if donate else 0

@@ -1,0 +1,219 @@
+"""`kfac_step` with `has_aux=`, `where=` and `examples=`: each equals the
+training loop written by hand from `value_grad_and_curvature` with the same
+option (float64, three steps at period 2, so with and without statistics)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqfisher as ef
+from eqfisher import optim
+
+from .helpers import tree_allclose
+from .optim_problem import loss_fn, problem
+
+
+def _params(model):
+    return eqx.filter(model, eqx.is_inexact_array)
+
+
+def _by_hand(vgc, opt, model, batch, steps, period=2, key=None):
+    """The loop of docs/optim.md: statistics at steps 0, period, ...; the values
+    `vgc` returned, and the final model."""
+    state, values = opt.init(_params(model)), []
+    for i in range(steps):
+        kwargs = {} if key is None else {"key": jax.random.fold_in(key, i)}
+        value, grads, curv = vgc(model, batch, **kwargs)
+        extra = {"curvature": curv} if i % period == 0 else {}
+        updates, state = opt.update(grads, state, _params(model), **extra)
+        model = eqx.apply_updates(model, updates)
+        values.append(value)
+    return model, values
+
+
+def _run(step, opt, model, batch, steps, key=None):
+    state, values = opt.init(_params(model)), []
+    for i in range(steps):
+        k = None if key is None else jax.random.fold_in(key, i)
+        model, state, value = step(model, state, batch, k)
+        values.append(value)
+    return model, state, values
+
+
+def _loss_and_accuracy(model, batch):
+    x, y = batch
+    logits = jax.vmap(model)(x)
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == y)
+    return ef.softmax_cross_entropy(logits, y), {"accuracy": accuracy, "n": y.shape[0]}
+
+
+@pytest.mark.parametrize("curvature_batch_size", [None, 16])
+def test_has_aux_returns_the_aux_and_steps_as_without(curvature_batch_size):
+    model, batch = problem()
+    estimator, structure = ef.GGN(), ef.KFAC()
+    vgc = ef.value_grad_and_curvature(loss_fn, estimator=estimator, structure=structure)
+    opt = optim.kfac(0.1, like=optim.curvature_like(vgc, model, batch))
+    step = optim.kfac_step(
+        _loss_and_accuracy,
+        opt,
+        estimator=estimator,
+        structure=structure,
+        has_aux=True,
+        curvature_batch_size=curvature_batch_size,
+    )
+    plain = optim.kfac_step(
+        loss_fn,
+        opt,
+        estimator=estimator,
+        structure=structure,
+        curvature_batch_size=curvature_batch_size,
+    )
+    got, _, values = _run(step, opt, model, batch, 3)
+    want, _, losses = _run(plain, opt, model, batch, 3)
+    assert tree_allclose(_params(got), _params(want), rtol=1e-12, atol=1e-14)
+    for (loss, aux), expected in zip(values, losses):
+        np.testing.assert_allclose(loss, expected, rtol=1e-12)
+        assert set(aux) == {"accuracy", "n"} and int(aux["n"]) == 64
+    # The first step's aux is that of the model passed in.
+    x, y = batch
+    accuracy = jnp.mean(jnp.argmax(jax.vmap(model)(x), -1) == y)
+    np.testing.assert_allclose(values[0][1]["accuracy"], accuracy)
+
+
+def test_has_aux_aux_follows_the_model_of_each_step():
+    model, batch = problem()
+    vgc = ef.value_grad_and_curvature(
+        _loss_and_accuracy, estimator=ef.GGN(), structure=ef.KFAC(), has_aux=True
+    )
+    opt = optim.kfac(0.1, like=optim.curvature_like(vgc, model, batch))
+    step = optim.kfac_step(
+        _loss_and_accuracy, opt, estimator=ef.GGN(), structure=ef.KFAC(), has_aux=True
+    )
+    got, _, values = _run(step, opt, model, batch, 3)
+    want, expected = _by_hand(vgc, opt, model, batch, 3)
+    assert tree_allclose(_params(got), _params(want), rtol=1e-10, atol=1e-12)
+    for (loss, aux), (e_loss, e_aux) in zip(values, expected):
+        np.testing.assert_allclose(loss, e_loss, rtol=1e-12)
+        np.testing.assert_allclose(aux["accuracy"], e_aux["accuracy"])
+
+
+def test_a_tuple_loss_without_has_aux_names_kfac_step():
+    model, batch = problem()
+    opt = optim.kfac(0.1, like=optim.curvature_like(_vgc(), model, batch))
+    step = optim.kfac_step(
+        _loss_and_accuracy, opt, estimator=ef.GGN(), structure=ef.KFAC()
+    )
+    with pytest.raises((TypeError, ValueError), match=r"kfac_step.*has_aux=True"):
+        step(model, opt.init(_params(model)), batch)
+
+
+def test_has_aux_must_be_a_bool(unchecked):
+    opt = optim.kfac(0.1, like=optim.curvature_like(_vgc(), *problem()))
+    with pytest.raises(TypeError, match=r"kfac_step\(has_aux=...\)"):
+        optim.kfac_step(
+            loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC(), has_aux=1
+        )
+
+
+def _vgc(**kwargs):
+    return ef.value_grad_and_curvature(
+        loss_fn, estimator=ef.GGN(), structure=ef.KFAC(), **kwargs
+    )
+
+
+def test_where_preconditions_the_selected_layer_and_adam_the_rest():
+    # docs/optim.md's partial K-FAC: the curvature of `layers[1]` only; K-FAC on
+    # those parameters, Adam on the others, composed with two `optax.masked`.
+    model, batch = problem()
+    where = ef.filters.by_path("layers[1].*")
+    vgc = _vgc(where=where)
+    mask = ef.filters.optax_mask(model, where)
+    rest = jax.tree_util.tree_map(lambda m: not m, mask)
+    kfac = optim.kfac(0.1, like=optim.curvature_like(vgc, model, batch))
+    opt = optax.chain(optax.masked(kfac, mask), optax.masked(optax.adam(1e-2), rest))
+    step = optim.kfac_step(
+        loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC(), where=where
+    )
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam mixes dtypes
+        got, state, _ = _run(step, opt, model, batch, 3)
+        want, _ = _by_hand(vgc, opt, model, batch, 3)
+    assert tree_allclose(_params(got), _params(want), rtol=1e-10, atol=1e-12)
+    kstate = optim.find_kfac_state(state)
+    assert int(kstate.curvature_count) == 2 and list(kstate.curvature.blocks) == [
+        "layers[1]"
+    ]
+    # Every parameter moved: layers[1] by K-FAC, the others by Adam.
+    moved = jax.tree_util.tree_map(
+        lambda a, b: bool(jnp.any(a != b)), _params(got), _params(model)
+    )
+    assert all(jax.tree_util.tree_leaves(moved))
+
+
+class _Normed(eqx.Module):
+    """A dense layer, a LayerNorm (scale-and-shift rows, whose exact diagonal
+    blocks K-FAC takes from per-example vectors) and a head."""
+
+    hidden: eqx.nn.Linear
+    norm: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.hidden = eqx.nn.Linear(3, 6, key=k1)
+        self.norm = eqx.nn.LayerNorm(6)
+        self.head = eqx.nn.Linear(6, 2, key=k2)
+
+    def __call__(self, x):
+        return self.head(jnp.tanh(self.norm(self.hidden(x))))
+
+
+def _time_major_loss(model, batch):
+    xt, y = batch  # xt: (3, N), features first
+    return ef.softmax_cross_entropy(jax.vmap(model, in_axes=1)(xt), y)
+
+
+def test_examples_time_major_batch():
+    model = _Normed(jax.random.key(7))
+    _, (x, y) = problem()
+    batch = (x.T, y)
+    examples = ef.IndependentExamples(axis=(1, 0))
+    estimator, structure = ef.GGN(), ef.KFAC()
+    vgc = ef.value_grad_and_curvature(
+        _time_major_loss, estimator=estimator, structure=structure, examples=examples
+    )
+    opt = optim.kfac(0.1, like=optim.curvature_like(vgc, model, batch))
+    step = optim.kfac_step(
+        _time_major_loss,
+        opt,
+        estimator=estimator,
+        structure=structure,
+        examples=examples,
+    )
+    got, state, _ = _run(step, opt, model, batch, 3)
+    want, _ = _by_hand(vgc, opt, model, batch, 3)
+    assert tree_allclose(_params(got), _params(want), rtol=1e-10, atol=1e-12)
+    # Without `examples=` the LayerNorm's per-example rows are refused, and the
+    # error names the step and the option it takes.
+    leading = optim.kfac_step(
+        _time_major_loss, opt, estimator=estimator, structure=structure
+    )
+    with pytest.raises(ValueError, match=r"kfac_step.*examples=eqfisher"):
+        _run(leading, opt, model, batch, 1)
+    assert "norm" in optim.find_kfac_state(state).curvature.blocks
+
+
+def test_curvature_batch_size_refuses_examples_off_the_leading_axis():
+    model, batch = problem()
+    opt = optim.kfac(0.1, like=optim.curvature_like(_vgc(), model, batch))
+    with pytest.raises(ValueError, match=r"curvature_batch_size.*leading axis"):
+        optim.kfac_step(
+            loss_fn,
+            opt,
+            estimator=ef.GGN(),
+            structure=ef.KFAC(),
+            curvature_batch_size=8,
+            examples=ef.IndependentExamples(axis=1),
+        )
