@@ -66,6 +66,35 @@ def test_tied_reason_mentions_shared():
     assert "shared" in report.reasons[0]
 
 
+class _RowByRow(eqx.Module):
+    """An embedding table read one token at a time: two embedding lookups."""
+
+    emb: eqx.nn.Embedding
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jr.split(key)
+        self.emb = eqx.nn.Embedding(10, 4, key=k1)
+        self.out = eqx.nn.Linear(8, 3, key=k2)
+
+    def __call__(self, toks):
+        w = self.emb.weight
+        return self.out(jnp.concatenate([w[toks[0]], w[toks[1]]]))
+
+
+def test_embedding_read_row_by_row_names_the_one_lookup_fix():
+    model = _RowByRow(jr.key(0))
+    toks = jr.randint(jr.key(1), (16, 2), 0, 10)
+
+    def loss_fn(model, batch):
+        return ef.softmax_cross_entropy(jax.vmap(model)(batch[0]), batch[1])
+
+    report = ef.find_layers(loss_fn, model, (toks, jnp.arange(16) % 3))
+    assert report.unmatched == (".emb.weight",)
+    assert "2 separate embedding applications" in report.reasons[0]
+    assert "weight[tokens]" in report.reasons[0]
+
+
 def test_no_registered_loss():
     model, (x, y) = BY_NAME["mlp"].build()
 

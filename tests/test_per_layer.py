@@ -150,7 +150,7 @@ def test_a_layer_split_between_parts_is_refused():
     structure = ef.PerLayer(
         (by_path("layers[0].bias"), ef.Diagonal()), default=ef.KFAC()
     )
-    with pytest.raises(ValueError, match=r"`layers\[0\]`.*different parts"):
+    with pytest.raises(ValueError, match=r"`layers\[0\]`.*go to part 0 and `default`"):
         ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=structure)
 
 

@@ -85,10 +85,14 @@ class PerLayer(AbstractStructure):
                 for leaf, _ in g.units
             }
             if len(parts) != 1:
+                named = [
+                    f"part {k}" if k < len(masks) else "`default`"
+                    for k in sorted(parts)
+                ]
                 raise ValueError(
                     "`eqfisher.PerLayer(...)`: the "
                     f"parameters of `{g.name}` ({', '.join(g.paths)}) go to "
-                    f"different parts {sorted(parts)}; a block's parameters need "
+                    f"{' and '.join(named)}; a block's parameters need "
                     f"one structure. Select whole layers, e.g. "
                     f"`eqfisher.filters.by_path('{g.name}.*')`."
                 )

@@ -41,8 +41,14 @@ def _ties(cands: Sequence[Candidate]) -> tuple[Mapping[int, tuple], Verdict]:
         if _tie_compatible(users):
             tied.update({id(c): tuple(users) for c in users})
             continue
+        kind = users[0].kind
         reason = (
-            f"used by {len(users)} layers of different layouts (shared or tied weights)"
+            f"read by {len(users)} separate {kind.name} applications, whose "
+            "statistics do not pool (for an embedding, look every token up at "
+            "once: `weight[tokens]`)"
+            if not kind.tieable and all(c.kind == kind for c in users)
+            else f"used by {len(users)} layers of different kinds or layouts "
+            "(shared or tied weights)"
         )
         verdict = verdict.drop(users, {index: reason})
     return tied, verdict
