@@ -192,6 +192,7 @@ PARAMS_READ: dict[str, frozenset[str]] = {
     "gather": frozenset({"dimension_numbers", "slice_sizes"}),
     "split": frozenset({"axis"}),
     "concatenate": frozenset({"dimension"}),
+    "stack": frozenset({"axis"}),  # a primitive from jax 0.10 on
     **dict.fromkeys(
         "reduce_window_sum reduce_window_max reduce_window_min".split(), _WINDOW
     ),

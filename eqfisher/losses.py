@@ -325,6 +325,21 @@ class Bernoulli(AbstractLossFamily):
                 f"`logits` {inputs.shape}, got {targets.shape}."
             )
 
+    def checked_targets(self, inputs, targets, mask, caller):
+        if targets.dtype == jnp.bool_:
+            return targets
+        # Outside [0, 1] the loss is no likelihood (unbounded below in the logits).
+        bad = ((targets < 0) | (targets > 1) | ~jnp.isfinite(targets)) & (
+            mask[..., None] != 0
+        )
+        return _refusal.refused_where(
+            targets,
+            bad,
+            f"`{caller}(logits, targets)`: `targets` must be 0/1 or probabilities "
+            "in [0, 1] wherever `mask` is not 0.",
+            lambda: str(targets[bad][0].item()),
+        )
+
 
 class Gaussian(AbstractLossFamily):
     r"""Squared error $\frac{1}{2} \lVert y - t \rVert^2$.
@@ -447,6 +462,14 @@ def register_loss(
             f"`{caller}`: outputs need shape (*examples, outputs), got "
             f"{inputs.shape}. For one output per example use x[..., None]."
         )
+    for name, array in (("targets", targets), ("mask", mask)):
+        if array is not None and jnp.issubdtype(
+            jnp.result_type(array), jnp.complexfloating
+        ):
+            raise TypeError(
+                f"`{caller}`: `{name}` must be real, got dtype "
+                f"{jnp.result_type(array)} (its imaginary part would be dropped)."
+            )
     family.check_targets(inputs, targets, caller)
     leading = inputs.shape[:-1]
     if mask is None:
@@ -520,7 +543,9 @@ def softmax_cross_entropy(
 
 def sigmoid_cross_entropy(
     logits: Float[Array, "*leading out"],
-    targets: Float[ArrayLike, "*leading out"] | Int[ArrayLike, "*leading out"],
+    targets: Float[ArrayLike, "*leading out"]
+    | Int[ArrayLike, "*leading out"]
+    | Bool[ArrayLike, "*leading out"],
     *,
     mask: Float[ArrayLike, "*leading"] | Bool[ArrayLike, "*leading"] | None = None,
 ) -> Float[Array, ""]:
@@ -529,12 +554,22 @@ def sigmoid_cross_entropy(
     **Arguments:**
 
     - `logits`: shape `(*leading, outputs)`.
-    - `targets`: 0/1 (or probabilities) shaped like `logits`.
+    - `targets`: 0/1 (float, integer or bool), or probabilities, shaped like
+      `logits`.
     - `mask`: optional per-example weights of shape `leading`.
 
     **Returns:**
 
     The mean over every leading axis of $\sum_{\text{outputs}} \text{BCE}$.
+
+    **Raises:**
+
+    - `TypeError` when the logits are not floating-point, or the targets or
+      `mask` are complex.
+    - `ValueError` when the outputs have fewer than two axes, or the targets or
+      `mask` do not fit their shape.
+    - `ValueError` (under `jit`, Equinox's runtime error) when a target lies
+      outside `[0, 1]` where the mask is not 0: the loss is then no likelihood.
 
     !!! Example
 
@@ -596,7 +631,7 @@ def squared_error(
     **Raises:**
 
     - `TypeError` when the outputs are not floating-point (labels passed as
-      logits) or the targets have the wrong kind of dtype.
+      logits), or the targets or `mask` are complex.
     - `ValueError` when the outputs have fewer than two axes, or the targets or
       `mask` do not fit their shape; the message gives the shapes expected.
 

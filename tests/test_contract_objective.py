@@ -71,7 +71,34 @@ CASES = {
         ),
         lambda o, b: o.shape[0] * _mse(o[:, :2], b[1]),
     ),
+    # `jnp.stack` is a primitive from jax 0.10 on (was refused as nonlinear).
+    "stacked_mean": (
+        lambda m, b: jnp.mean(
+            jnp.stack(
+                [
+                    ef.squared_error(jax.vmap(m)(b[0])[:, :2], b[1]),
+                    ef.softmax_cross_entropy(jax.vmap(m)(b[0])[:, 2:], b[2]),
+                ]
+            )
+        ),
+        lambda o, b: 0.5 * (_mse(o[:, :2], b[1]) + _ce(o[:, 2:], b[2])),
+    ),
+    "scan_outputs_mean": (
+        lambda m, b: jnp.mean(_scanned_losses(jax.vmap(m)(b[0]), b[1])),
+        lambda o, b: 0.5 * (_mse(o[:, :2], b[1]) + _mse(o[:, 2:4], b[1])),
+    ),
 }
+
+
+def _scanned_losses(out, t):
+    """Two losses registered by a `lax.scan` over two output groups, returned as
+    its stacked outputs."""
+    groups = jnp.stack([out[:, :2], out[:, 2:4]])
+
+    def step(carry, o):
+        return carry, ef.squared_error(o, t)
+
+    return jax.lax.scan(step, None, groups)[1]
 
 
 def _reference(case, model, batch):

@@ -72,6 +72,8 @@ PER_EXAMPLE = {
         lambda x: jnp.concatenate([x, jnp.ones((4, 3, 1), x.dtype)], axis=2),
         0,
     ),
+    "stack_features": (lambda x: jnp.stack([x, 2.0 * x], axis=2), 0),
+    "stack_in_front": (lambda x: jnp.stack([x, jnp.tanh(x)]), 1),
     "pad_positions": (lambda x: jnp.pad(x, ((0, 0), (1, 1), (0, 0))), 0),
     "scan_over_positions": (_scan_time, 0),
     "relu": (jax.nn.relu, 0),
@@ -100,6 +102,7 @@ MIXING = {
     "one_example_everywhere": lambda x: x * x[:1],
     "concatenate_examples": lambda x: jnp.concatenate([x[1:], x[:1]]),
     "flip_add": lambda x: x + jnp.flip(x, 0),
+    "stack_of_rolled": lambda x: jnp.stack([x, jnp.roll(x, 1, axis=0)], axis=1),
 }
 
 

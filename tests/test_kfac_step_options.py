@@ -217,3 +217,76 @@ def test_curvature_batch_size_refuses_examples_off_the_leading_axis():
             curvature_batch_size=8,
             examples=ef.IndependentExamples(axis=1),
         )
+
+
+def test_a_state_of_another_optimiser_is_named():
+    # docs/optim.md once rebound `opt` to a grafted chain and passed the earlier
+    # `kfac`'s state to a step built on it: optax's error was a PyTree mismatch
+    # inside Adam's moments.
+    model, batch = problem()
+    like = optim.curvature_like(_vgc(), model, batch)
+    grafted = optax.chain(
+        optim.graft(
+            optim.kfac_preconditioner(like=like, norm_constraint=None),
+            optax.scale_by_adam(),
+        ),
+        optax.scale_by_learning_rate(1e-2),
+    )
+    state = optim.kfac(1e-2, like=like).init(_params(model))
+    step = optim.kfac_step(loss_fn, grafted, estimator=ef.GGN(), structure=ef.KFAC())
+    with pytest.raises(ValueError, match=r"`opt_state` is not a state of the"):
+        step(model, state, batch)
+
+
+def test_a_failed_check_in_the_step_is_equinox_error(capfd):
+    # The step's own jit let a failed `eqx.error_if` out as jax's
+    # `JaxRuntimeError` from a host callback, the message inside a traceback and
+    # Equinox's advice to use `eqx.filter_jit`; jax also logged it to stderr.
+    model, (x, y) = problem()
+    opt = optim.kfac(0.1, like=optim.curvature_like(_vgc(), model, (x, y)))
+    step = optim.kfac_step(loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC())
+    with pytest.raises(eqx.EquinoxRuntimeError) as info:
+        step(model, opt.init(_params(model)), (x, y.at[0].set(7)))
+    message = str(info.value)
+    assert message.startswith("`eqfisher.softmax_cross_entropy(logits, labels)`")
+    assert "filter_jit" not in message and "Traceback" not in message
+    assert "pure_callback failed" not in capfd.readouterr().err
+
+
+def test_aux_keeps_leaves_that_are_not_arrays():
+    # As `eqx.filter_value_and_grad`: other leaves are static, returned as they
+    # are (a string crashed the trace; Python numbers came back as jax's).
+    model, batch = problem()
+
+    def tagged(model, batch):
+        loss, aux = _loss_and_accuracy(model, batch)
+        return loss, {**aux, "tag": "digits", "lr": 0.1, "flag": True}
+
+    opt = optim.kfac(0.1, like=optim.curvature_like(_vgc(), model, batch))
+    step = optim.kfac_step(
+        tagged, opt, estimator=ef.GGN(), structure=ef.KFAC(), has_aux=True
+    )
+    _, _, (_, aux) = step(model, opt.init(_params(model)), batch)
+    assert aux["tag"] == "digits" and aux["n"] == 64 and aux["flag"] is True
+    assert type(aux["n"]) is int and type(aux["lr"]) is float
+    assert isinstance(aux["accuracy"], jax.Array)
+    vgc = ef.value_grad_and_curvature(
+        tagged, estimator=ef.GGN(), structure=ef.KFAC(), has_aux=True
+    )
+    (_, aux), _, _ = vgc(model, batch)
+    assert aux["tag"] == "digits" and type(aux["n"]) is int
+
+
+@pytest.mark.parametrize("name,value", [("decay", 1.5), ("inverse_every", 0)])
+def test_hyperparameters_set_in_the_state_are_checked(name, value):
+    # Under `optax.inject_hyperparams` they are arrays in the state, out of reach
+    # of the checks made when the optimiser is built; a decay of 1.5 was used.
+    model, batch = problem()
+    like = optim.curvature_like(_vgc(), model, batch)
+    opt = optax.inject_hyperparams(optim.kfac)(learning_rate=0.1, like=like)
+    step = optim.kfac_step(loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC())
+    state = opt.init(_params(model))
+    step(model, state, batch)  # in range: runs
+    state.hyperparams[name] = jnp.asarray(value, state.hyperparams[name].dtype)
+    with pytest.raises(eqx.EquinoxRuntimeError, match=rf"`{name}` must be"):
+        step(model, state, batch)

@@ -324,3 +324,35 @@ def test_bool_labels_are_rejected():
 def test_one_dimensional_predictions(loss, targets):
     with pytest.raises(ValueError, match=r"x\[\.\.\., None\]"):
         loss(jnp.zeros(N, F64), targets)
+
+
+@pytest.mark.parametrize(
+    "loss,targets",
+    [
+        (ef.softmax_cross_entropy, _probs().astype(jnp.complex128)),
+        (ef.sigmoid_cross_entropy, _bits().astype(jnp.complex128)),
+        (ef.squared_error, _values().astype(jnp.complex128) * (1 + 3j)),
+    ],
+    ids=["softmax", "sigmoid", "squared"],
+)
+def test_complex_targets_and_masks_are_refused(unchecked, loss, targets):
+    # The imaginary part was dropped: targets 1+3j gave the loss of targets 1.
+    with pytest.raises(TypeError, match="`targets` must be real"):
+        loss(_logits(), targets)
+    real = jnp.real(targets).astype(F64)
+    with pytest.raises(TypeError, match="`mask` must be real"):
+        loss(_logits(), real, mask=jnp.ones(N, jnp.complex128))
+
+
+def test_sigmoid_targets_outside_zero_one_are_refused():
+    # Targets of 2 make the loss unbounded below: no likelihood.
+    targets = _bits().at[0, 0].set(2.0)
+    with pytest.raises(ValueError, match=r"0/1 or probabilities in \[0, 1\].*Got 2.0"):
+        ef.sigmoid_cross_entropy(_logits(), targets)
+    with pytest.raises(eqx.EquinoxRuntimeError, match=r"probabilities in \[0, 1\]"):
+        eqx.filter_jit(ef.sigmoid_cross_entropy)(_logits(), targets)
+    # Allowed where the mask is 0; probabilities and integer or bool 0/1 pass.
+    mask = jnp.ones(N, F64).at[0].set(0.0)
+    assert jnp.isfinite(ef.sigmoid_cross_entropy(_logits(), targets, mask=mask))
+    for ok in (_bits() * 0.5, _bits().astype(jnp.int32), _bits().astype(bool)):
+        assert jnp.isfinite(jax.jit(ef.sigmoid_cross_entropy)(_logits(), ok))

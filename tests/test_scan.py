@@ -294,6 +294,45 @@ def test_long_unrolled_scans_are_not_unrolled():
     np.testing.assert_allclose(curv.as_matrix(), _ggn(model, batch), atol=1e-12)
 
 
+def _loss_per_step(model, batch):
+    """A loss registered at every step of a scan over time that reads no
+    parameter: the model runs outside it (features (T, N, D), labels (T, N))."""
+    x, y = batch
+    logits = jax.vmap(jax.vmap(model))(x)
+
+    def step(carry, xy):
+        return carry, ef.softmax_cross_entropy(*xy)
+
+    return jnp.mean(jax.lax.scan(step, None, (logits, y))[1])
+
+
+def test_a_loss_registered_in_a_scan_reading_no_parameter():
+    # Such a scan was not unrolled, so its losses went unseen ("registers no
+    # loss"); beyond `max_unroll` it is refused, naming the option.
+    model = eqx.nn.MLP(D, 3, 5, 1, activation=jnp.tanh, key=jax.random.key(0))
+    model = jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.float64) if eqx.is_inexact_array(a) else a, model
+    )
+    x = jax.random.normal(jax.random.key(1), (4, 6, D), jnp.float64)
+    y = jnp.arange(24).reshape(4, 6) % 3
+    examples = ef.IndependentExamples(axis=1)
+    curv = ef.curvature(
+        _loss_per_step,
+        model,
+        (x, y),
+        estimator=ef.GGN(),
+        structure=ef.Dense(),
+        examples=examples,
+    )
+    # The same objective, written without the scan.
+    expected = dense_ggn_cross_entropy(model, x.reshape(24, D), y.reshape(24))
+    np.testing.assert_allclose(curv.as_matrix(), expected, rtol=1e-10, atol=1e-12)
+    with ef.configure(max_unroll=3), pytest.raises(ValueError, match=r"max_unroll=4"):
+        ef.curvature(
+            _loss_per_step, model, (x, y), estimator=ef.GGN(), structure=ef.KFAC()
+        )
+
+
 def test_stacked_leaf_also_read_outside_the_scan():
     class Leaky(Scanned):
         def __call__(self, x):

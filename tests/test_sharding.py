@@ -2,6 +2,8 @@
 devices (set in conftest.py), the parameters replicated, and XLA does the reductions.
 Results must equal the single-device ones (relative difference <= 1e-5, float32)."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -92,3 +94,20 @@ def test_kfac_optimiser_matches_one_device(setup):
             model, state = step(model, state, batch)
         finals.append(model)
     assert_close(finals[0], finals[1])
+
+
+def test_label_checks_do_not_gather_the_batch(setup):
+    # The label-range check is Equinox's `error_if`, a `cond` that XLA places on
+    # one device: with the labels themselves passed through it, every call
+    # gathered the sharded labels there and scattered them back (XLA's "Involuntary
+    # full rematerialization" warning). The check now rides on a scalar.
+    _, (s_model, s_batch) = setup
+    params, static = eqx.partition(s_model, eqx.is_array)
+
+    def value_and_grad(p, b):
+        return eqx.filter_value_and_grad(loss_fn)(eqx.combine(p, static), b)
+
+    text = jax.jit(value_and_grad).lower(params, s_batch).compile().as_text()
+    results = re.findall(r"= \(([^)]*)\) conditional\(", text)
+    assert results, "no `cond` left: the check is gone"
+    assert all(re.fullmatch(r"[a-z0-9]+\[\]", r.strip()) for r in results), results

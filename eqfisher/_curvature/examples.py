@@ -11,6 +11,7 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, PyTree
 
+from .._refusal import refused_where
 from .._tracer import (
     LossProgram,
     Split,
@@ -64,6 +65,12 @@ class AbstractExamples(eqx.Module):
     groups' per-example vectors the main pass (one forward and VJP of the whole
     batch) gives, before it runs; and, after it, the per-example vectors.
     """
+
+    def batch_leads(self) -> bool:
+        """Whether the examples lie along the leading axis of every array of the
+        batch (`kfac_step(curvature_batch_size=...)` takes the first ones there).
+        True unless the kind says otherwise."""
+        return True
 
     @abc.abstractmethod
     def main_pass_rows(
@@ -158,6 +165,9 @@ class IndependentExamples(AbstractExamples):
 
     axis: PyTree[int | None] = eqx.field(static=True, default=0)
 
+    def batch_leads(self) -> bool:
+        return isinstance(self.axis, int) and self.axis == 0
+
     def main_pass_rows(self, processed, s, batch, groups):
         if not groups:
             return MainPassRows()
@@ -194,7 +204,7 @@ class IndependentExamples(AbstractExamples):
         if mismatch is None:  # proven at trace time (`example_axes`)
             return rows
         message = f"`{staged.caller}`: {INTERACTION}"
-        return {i: eqx.error_if(x, mismatch, message) for i, x in rows.items()}
+        return refused_where(rows, mismatch, message)
 
 
 class InteractingExamples(AbstractExamples):

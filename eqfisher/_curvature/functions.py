@@ -241,16 +241,20 @@ def _cotangents(outputs, which: int) -> tuple:
 
 
 def _value(loss_fn, model, batch, program_outputs, has_aux: bool):
-    """The loss, or `(loss, aux)` with `has_aux` (aux rebuilt in `loss_fn`'s
-    output structure)."""
+    """The loss, or `(loss, aux)` with `has_aux`: aux rebuilt in `loss_fn`'s
+    output structure, its arrays from the program's outputs and its other leaves
+    (static, as `eqx.filter_value_and_grad` keeps them) from an evaluation of
+    shapes."""
     loss = program_outputs[0]
     if not has_aux:
         return loss
     out_shape = eqx.filter_eval_shape(loss_fn, model, batch)
-    aux = jax.tree_util.tree_unflatten(
-        jax.tree_util.tree_structure(out_shape[1]), list(program_outputs[1:])
-    )
-    return loss, aux
+    leaves, treedef = jax.tree_util.tree_flatten(out_shape[1])
+    arrays = iter(program_outputs[1:])
+    leaves = [
+        next(arrays) if isinstance(x, jax.ShapeDtypeStruct) else x for x in leaves
+    ]
+    return loss, jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _like_params(model: PyTree, leaves) -> PyTree:

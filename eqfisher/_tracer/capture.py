@@ -302,6 +302,8 @@ def stage_loss(
                 e.add_note(_FILTERED_MODEL.format(caller=caller))
             raise
         _check_returns(out, returns, caller, takes_has_aux)
+        if returns == "aux":  # the aux's other leaves are static, as for Equinox
+            out = (out[0], eqx.filter(out[1], eqx.is_array))
         out_trees.append(jax.tree_util.tree_structure(out))
         return out
 

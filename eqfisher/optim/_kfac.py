@@ -3,12 +3,14 @@
 from collections.abc import Callable
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jaxtyping import Array, ArrayLike, Int, PyTree, ScalarLike
 
 from .._curvature import Curvature
+from .._refusal import refused_where
 from ..blocks._base import scalars_checked
 from ._damping import AbstractDamping, FactoredTikhonov
 from ._flat import flatten_if_small
@@ -69,6 +71,28 @@ def initial_state(like: Curvature, lam: Array, damping: AbstractDamping) -> KFAC
     return KFACState(zero, zero, zero, zero, zero, _zeros(avg), _zeros(inverse))
 
 
+def _checked_traced(caller: str, decay, inverse_every, carrier: Array) -> Array:
+    """`carrier`, after checking `decay` and `inverse_every` where they are traced
+    (set through `optax.inject_hyperparams`'s state: constants are checked when
+    the optimiser is built)."""
+    where = "at every update (a value set in `optax.inject_hyperparams`'s state?)"
+    if isinstance(decay, jax.core.Tracer):
+        carrier = refused_where(
+            carrier,
+            ~((decay >= 0) & (decay < 1)),
+            f"`eqfisher.optim.{caller}(..., decay=...)`: `decay` must be in "
+            f"[0, 1) {where}.",
+        )
+    if isinstance(inverse_every, jax.core.Tracer):
+        carrier = refused_where(
+            carrier,
+            inverse_every < 1,
+            f"`eqfisher.optim.{caller}(..., inverse_every=...)`: `inverse_every` "
+            f"must be a positive integer {where}.",
+        )
+    return carrier
+
+
 def fold(
     caller: str,
     state: KFACState,
@@ -94,7 +118,9 @@ def fold(
             "function and model."
         )
     finite = all_finite(curvature)
-    n_good = state.curvature_count + finite.astype(jnp.int32)
+    n_good = _checked_traced(
+        caller, decay, inverse_every, state.curvature_count + finite.astype(jnp.int32)
+    )
     # The time-varying decay makes this the bias-corrected average of each factor,
     # its weights in the curvature's precision (float64 for float64 factors).
     floats = [
@@ -110,6 +136,8 @@ def fold(
     avg = where_tree(finite, ema, state.curvature)
     # Early estimates change fast: refresh at each of the first `inverse_every`
     # estimates, then at every `inverse_every`-th.
+    if isinstance(inverse_every, jax.Array):  # a strong int64 would not promote
+        inverse_every = inverse_every.astype(n_good.dtype)
     refresh = finite & ((n_good <= inverse_every) | (n_good % inverse_every == 0))
 
     def refreshed():

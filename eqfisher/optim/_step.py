@@ -34,9 +34,10 @@ def _leading(batch: PyTree, size: int | None) -> PyTree:
         raise ValueError(
             "`eqfisher.optim.kfac_step(..., curvature_batch_size=...)` takes the "
             "first examples of every leaf of `batch`, but the leaf at "
-            f"`batch{paths[0]}` is a scalar (a key or a constant?); pass it "
-            "through the model or `loss_fn` instead, or use "
-            "`curvature_batch_size=None`."
+            f"`batch{paths[0]}` is a scalar (a key, a constant, a counter of an "
+            "`eqx.nn.State`?); pass it through the model or `loss_fn` instead, or "
+            "use `curvature_batch_size=None` (a BatchNorm state carried in the "
+            "batch needs it)."
         )
     return jax.tree_util.tree_map(lambda x: x[:size], batch)
 
@@ -44,16 +45,29 @@ def _leading(batch: PyTree, size: int | None) -> PyTree:
 def _check_leading(examples: AbstractExamples) -> None:
     """Refuses `curvature_batch_size` for examples along another axis than the
     leading one of every leaf (which is where `_leading` takes them from)."""
-    axis = getattr(examples, "axis", 0)
-    if isinstance(examples, IndependentExamples) and not (
-        isinstance(axis, int) and axis == 0
-    ):
+    if not examples.batch_leads():
         raise ValueError(
             "`eqfisher.optim.kfac_step(..., curvature_batch_size=...)` takes the "
             "first examples along the leading axis of every leaf of `batch`, but "
             f"`examples={examples!r}` puts them elsewhere; put the example axis "
             "first, or use `curvature_batch_size=None`."
         )
+
+
+def _check_state_of(optimiser, params: PyTree, opt_state: PyTree, error) -> None:
+    """After `optimiser.update` failed: raises a clear error when `opt_state` is
+    not a state of `optimiser` (another optimiser's, built before `opt` was
+    rebound), which optax reports as a PyTree mismatch deep inside a transform.
+    Runs only on failure, so a step that traces costs nothing more."""
+    expected = jax.tree_util.tree_structure(jax.eval_shape(optimiser.init, params))
+    got = jax.tree_util.tree_structure(opt_state)
+    if expected != got:
+        raise ValueError(
+            "`eqfisher.optim.kfac_step`: `opt_state` is not a state of the "
+            "`optimiser` this step was built with: its PyTree structure differs "
+            "from `optimiser.init(params)`'s (a state made by another optimiser, "
+            "say before `opt` was rebound?). Build it with that optimiser's `init`."
+        ) from error
 
 
 def _due(period: int, opt_state: PyTree) -> int | None:
@@ -162,6 +176,11 @@ def kfac_step(
     """
     caller = "eqfisher.optim.kfac_step"
     check_positive_int(caller, "curvature_update_period", curvature_update_period)
+    if not isinstance(examples, AbstractExamples):
+        raise TypeError(
+            f"`{caller}(..., examples=...)`: expected eqfisher.IndependentExamples() "
+            f"or eqfisher.InteractingExamples(), got {examples!r}."
+        )
     if curvature_batch_size is not None:
         check_positive_int(caller, "curvature_batch_size", curvature_batch_size)
         _check_leading(examples)
@@ -198,14 +217,18 @@ def kfac_step(
         # when `due` is None: statistics every step).
         # `value=`: for transformations that read the loss, such as
         # `optax.contrib.reduce_on_plateau`.
-        updates, opt_state = optimiser.update(
-            grads,
-            opt_state,
-            params,
-            curvature=curvature,
-            curvature_due=due,
-            value=value[0] if has_aux else value,
-        )
+        try:
+            updates, opt_state = optimiser.update(
+                grads,
+                opt_state,
+                params,
+                curvature=curvature,
+                curvature_due=due,
+                value=value[0] if has_aux else value,
+            )
+        except (ValueError, TypeError) as error:
+            _check_state_of(optimiser, params, opt_state, error)
+            raise
         return eqx.apply_updates(model, updates), opt_state, value
 
     return filter_jit_with_options(

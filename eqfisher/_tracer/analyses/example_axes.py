@@ -395,6 +395,15 @@ def _concatenate(eqn, labels) -> Any:
     return MIXED if e == _compat.param(eqn, "dimension") else e
 
 
+def _stack(eqn, labels) -> Any:
+    """`jnp.stack` (a primitive from jax 0.10 on): the new axis shifts the example
+    axis when it goes before it."""
+    e = _only(labels)
+    if e == MIXED:
+        return MIXED
+    return e if e < _compat.param(eqn, "axis") else e + 1
+
+
 def _window(eqn, labels) -> Any:
     """Pooling (`reduce_window_*`): per example if its window spans one example."""
     e, p = labels[0], functools.partial(_compat.param, eqn)
@@ -466,6 +475,7 @@ _RULES: dict[str, Callable[[Any, list], Any]] = {
         for name in "reduce_window_sum reduce_window_max reduce_window_min".split()
     },
     "concatenate": _concatenate,
+    "stack": _stack,
     loss_tag_p.name: _tag,
     loss_value_tag_p.name: _tag,
 }

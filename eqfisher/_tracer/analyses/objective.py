@@ -39,6 +39,7 @@ _LINEAR = frozenset(
         "copy_p",
         "slice",
         "concatenate",
+        "stack",  # `jnp.stack`, a primitive from jax 0.10 on
         "pad",
         "cumsum",
         "reduce_precision",

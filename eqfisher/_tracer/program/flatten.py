@@ -32,16 +32,6 @@ from .types import (
 )
 
 
-def _contains_loss_tag(jaxpr) -> bool:
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is loss_tag_p:
-            return True
-        body = _compat.call_body(eqn)
-        if body is not None and _contains_loss_tag(body[0]):
-            return True
-    return False
-
-
 class _Piece(NamedTuple):
     """What flattening part of a jaxpr gives: the atoms of its outputs, its
     equations and the scan units it cut."""
@@ -110,8 +100,10 @@ def _flatten_eqn(eqn, atoms, made, out_origins) -> _Piece:
     args = [_atom_of(eqn, atoms, v) for v in _compat.unique_invars(eqn)]
     body = _compat.call_body(eqn)
     reads_params = any(holds_param(a) for a in args)
-    if body is not None and (reads_params or _contains_loss_tag(body[0])):
+    if body is not None and (reads_params or _contains_tag(body[0])):
         return _inline(body, atoms, made)
+    if _registers_inside(eqn):
+        return _unroll(eqn, atoms, made)
     if reads_params and eqn.primitive.name == "scan":
         kept = _keep_scan(eqn, atoms, made)
         if kept is not None:
@@ -216,6 +208,28 @@ def _unrolls(eqn) -> bool:
         and 0 < _compat.scan(eqn).length <= current_config().max_unroll
         and _compat.scan(eqn).body is not None
     )
+
+
+def _registers_inside(eqn) -> bool:
+    """Whether `eqn` is a scan whose body registers a loss: it is unrolled, so that
+    each step's registration is found, even when it reads no parameter. Refused
+    when longer than `max_unroll`: the losses inside would go unseen."""
+    if eqn.primitive.name != "scan":
+        return False
+    scan = _compat.scan(eqn)
+    if scan.body is None or not _contains_tag(scan.body[0]):
+        return False
+    if not _unrolls(eqn):
+        limit = current_config().max_unroll
+        raise ValueError(
+            f"`loss_fn` registers a loss inside a `jax.lax.scan` of {scan.length} "
+            f"steps; eqfisher unrolls such scans to find each step's loss, up to "
+            f"`max_unroll` ({limit}) steps. Raise the limit with "
+            f"`eqfisher.configure(max_unroll={scan.length})`, or return the "
+            "model outputs as the scan's outputs and register the loss once on "
+            "them, outside the scan."
+        )
+    return True
 
 
 def _contains_tag(jaxpr) -> bool:
