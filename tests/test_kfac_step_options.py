@@ -290,3 +290,15 @@ def test_hyperparameters_set_in_the_state_are_checked(name, value):
     state.hyperparams[name] = jnp.asarray(value, state.hyperparams[name].dtype)
     with pytest.raises(eqx.EquinoxRuntimeError, match=rf"`{name}` must be"):
         step(model, state, batch)
+
+
+@pytest.mark.parametrize(
+    "name,value", [("curvature_update_period", 0), ("curvature_batch_size", -1)]
+)
+def test_bad_periods_and_sizes_name_the_step_once(name, value):
+    opt = optim.kfac(0.1, like=optim.curvature_like(_vgc(), *problem()))
+    with pytest.raises(ValueError) as info:
+        optim.kfac_step(
+            loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC(), **{name: value}
+        )
+    assert str(info.value).startswith(f"`eqfisher.optim.kfac_step(..., {name}=...)`")

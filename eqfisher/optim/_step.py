@@ -59,7 +59,11 @@ def _check_state_of(optimiser, params: PyTree, opt_state: PyTree, error) -> None
     not a state of `optimiser` (another optimiser's, built before `opt` was
     rebound), which optax reports as a PyTree mismatch deep inside a transform.
     Runs only on failure, so a step that traces costs nothing more."""
-    expected = jax.tree_util.tree_structure(jax.eval_shape(optimiser.init, params))
+    try:
+        fresh = jax.eval_shape(optimiser.init, params)
+    except Exception:  # noqa: BLE001 (the update's own error is the one to see)
+        return
+    expected = jax.tree_util.tree_structure(fresh)
     got = jax.tree_util.tree_structure(opt_state)
     if expected != got:
         raise ValueError(
@@ -175,14 +179,14 @@ def kfac_step(
         ```
     """
     caller = "eqfisher.optim.kfac_step"
-    check_positive_int(caller, "curvature_update_period", curvature_update_period)
+    check_positive_int("kfac_step", "curvature_update_period", curvature_update_period)
     if not isinstance(examples, AbstractExamples):
         raise TypeError(
             f"`{caller}(..., examples=...)`: expected eqfisher.IndependentExamples() "
             f"or eqfisher.InteractingExamples(), got {examples!r}."
         )
     if curvature_batch_size is not None:
-        check_positive_int(caller, "curvature_batch_size", curvature_batch_size)
+        check_positive_int("kfac_step", "curvature_batch_size", curvature_batch_size)
         _check_leading(examples)
     for name, flag in (
         ("has_aux", has_aux),
