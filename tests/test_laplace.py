@@ -452,6 +452,52 @@ def test_errors(unchecked):
         )
 
 
+def test_more_mistakes_are_refused(unchecked):
+    # Each of these passed silently (or failed deep inside) before.
+    import optax
+
+    lap, model, batch, *_ = build("kfac", None, False)
+    for n in (0, -5):  # NaN marginal likelihood; an unrelated damping error
+        with pytest.raises(ValueError, match="`num_data` must be positive"):
+            la.Laplace(
+                lap.curvature, model, loss=0.0, num_data=n, likelihood="classification"
+            )
+    probs, labels = jax.nn.softmax(jnp.ones((3, 4))), jnp.arange(3)
+    with pytest.raises(ValueError, match=r"bins=\.\.\.\)`: a positive int"):
+        la.expected_calibration_error(probs, labels, bins=0)  # was 0.0
+    common = dict(
+        likelihood="classification", structure=ef.KFAC(), optimizer=optax.sgd(0.1)
+    )
+    with pytest.raises(ValueError, match=r"hyper_every=\.\.\.\)`: an int >= 1"):
+        la.marglik_training(ce_loss, model, batch, steps=2, hyper_every=0, **common)
+    with pytest.raises(ValueError, match="noise=True.*regression"):
+        la.marglik_training(ce_loss, model, batch, steps=2, noise=True, **common)
+
+
+def test_softmax_predictives_refuse_one_output():
+    # A softmax over one logit is 1: a binary sigmoid classifier got
+    # probabilities of 1 from probit and softmax_average, NaN from the bridge.
+    mean, cov = jnp.array([[0.3], [-1.0]]), jnp.full((2, 1, 1), 0.5)
+    for f in (la.probit, la.laplace_bridge):
+        with pytest.raises(ValueError, match="softmax over one output is 1"):
+            f(mean, cov)
+    with pytest.raises(ValueError, match="softmax over one output is 1"):
+        la.softmax_average(mean[None])
+
+
+def test_laplace_bridge_refuses_a_degenerate_covariance():
+    # A zero covariance gave NaN (laplace-torch: all ones); the probabilities of
+    # no uncertainty are softmax(mean), which probit gives.
+    mean = jnp.array([[2.0, 0.0, -2.0]])
+    with pytest.raises(ValueError, match="variance along the sum of the logits"):
+        la.laplace_bridge(mean, jnp.zeros((1, 3, 3)))
+    with pytest.raises(eqx.EquinoxRuntimeError, match="variance along the sum"):
+        eqx.filter_jit(la.laplace_bridge)(mean, jnp.zeros((1, 3, 3)))
+    np.testing.assert_allclose(
+        la.probit(mean, jnp.zeros((1, 3, 3))), jax.nn.softmax(mean), rtol=1e-12
+    )
+
+
 def test_marglik_training():
     """Online marglik training: the MAP objective falls, the posterior returned is
     the one at the returned model, and its hyperparameters are a stationary point of

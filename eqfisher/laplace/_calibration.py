@@ -140,6 +140,11 @@ def expected_calibration_error(
         # (|1 − 0.6| + |1 − 0.9|) / 2 = 0.25: under-confident
         ```
     """
+    if not isinstance(bins, int) or isinstance(bins, bool) or bins < 1:
+        raise ValueError(
+            "`eqfisher.laplace.expected_calibration_error(..., bins=...)`: a "
+            f"positive int, got {bins!r}."
+        )
     probs = _checked("expected_calibration_error", probs, labels)
     conf = jnp.max(probs, axis=-1)
     correct = (jnp.argmax(probs, axis=-1) == labels).astype(probs.dtype)

@@ -146,6 +146,17 @@ def marglik_training(
         assert loss_fn(trained, batch) < loss_fn(model, batch)
         ```
     """
+    call = "eqfisher.laplace.marglik_training"
+    for name, value, low in (("hyper_every", hyper_every, 1), ("steps", steps, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(
+                f"`{call}(..., {name}=...)`: an int >= {low}, got {value!r}."
+            )
+    if noise and likelihood != "regression":
+        raise ValueError(
+            f"`{call}(..., noise=True)` tunes the observation noise of "
+            "`likelihood='regression'` only."
+        )
     posterior_at = functools.partial(
         _posterior_at,
         loss_fn,

@@ -152,8 +152,9 @@ class Laplace(eqx.Module):
         - `noise_std`: $\sigma > 0$, regression only (default 1).
         - `temperature`: $T > 0$.
 
-        `prior_precision`, `noise_std` and `temperature` that are not positive and
-        finite raise `ValueError` (under `jit`, Equinox's runtime error).
+        `num_data`, `prior_precision`, `noise_std` and `temperature` that are not
+        positive and finite raise `ValueError` (under `jit`, Equinox's runtime
+        error).
         - `num_outputs`: $D$, regression only: the Gaussian normaliser is
             $N D \log(\sigma \sqrt{2\pi})$.
         """
@@ -177,7 +178,9 @@ class Laplace(eqx.Module):
         )
         self.model = model
         self.loss = jnp.asarray(loss, dtype)
-        self.num_data = jnp.asarray(num_data, dtype)
+        self.num_data = _positive(
+            num_data, dtype, "eqfisher.laplace.Laplace", "num_data"
+        )
         self.prior_precision = _prior_dict(curvature, prior_precision, dtype)
         call = "eqfisher.laplace.Laplace"
         sigma = 1.0 if noise_std is None else noise_std

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
+from .._refusal import refused_where
 from ._posterior import Laplace
 
 
@@ -175,6 +176,12 @@ def probit(
 
     Class probabilities.
 
+    **Raises:**
+
+    `ValueError` for one output: these predictives are for softmax classifiers
+    (for one sigmoid output, `jax.nn.sigmoid(mean / jnp.sqrt(1 + jnp.pi / 8 *
+    var))`), or shapes other than `glm_predictive`'s.
+
     !!! Example
 
         ```python
@@ -202,6 +209,20 @@ def _check_gaussian(caller: str, mean: Array, covariance: Array) -> None:
             f"{jnp.shape(covariance)}. For per-class variances `var`, pass "
             "`jax.vmap(jnp.diag)(var)`."
         )
+    _check_classes(caller, shape[-1])
+
+
+def _check_classes(caller: str, classes: int) -> None:
+    """Refuses one output: a softmax over one logit is 1 whatever the logit (a
+    binary sigmoid classifier gave probabilities of 1, or NaN from the bridge)."""
+    if classes == 1:
+        raise ValueError(
+            f"`eqfisher.laplace.{caller}`: a softmax over one output is 1 whatever "
+            "its value; these predictives are for softmax classifiers. For one "
+            "sigmoid output, the probit approximation is "
+            "`jax.nn.sigmoid(mean / jnp.sqrt(1 + jnp.pi / 8 * var))` with `var` "
+            "the diagonal of the covariance."
+        )
 
 
 def laplace_bridge(
@@ -219,6 +240,12 @@ def laplace_bridge(
 
     Class probabilities.
 
+    **Raises:**
+
+    `ValueError` (under `jit`, Equinox's runtime error) for a covariance without
+    variance along the sum of the logits or in a class (a zero covariance: use
+    `jax.nn.softmax(mean)`), and as `probit` for one output.
+
     !!! Example
 
         ```python
@@ -233,9 +260,27 @@ def laplace_bridge(
     k = mean.shape[-1]
     row = jnp.sum(covariance, axis=-1)
     total = jnp.sum(covariance, axis=(-2, -1))[..., None]
+    # A covariance without variance along the sum of the logits (zero, say) has
+    # no zero-mean correction, and one without variance in a class none for its
+    # Dirichlet: NaN, where laplace-torch returns all ones.
+    total = refused_where(
+        total,
+        ~(total > 0),
+        "`eqfisher.laplace.laplace_bridge(mean, covariance)`: the bridge needs "
+        "variance along the sum of the logits (its zero-mean correction divides "
+        "by it); for a covariance of zero (no uncertainty) the probabilities are "
+        "`jax.nn.softmax(mean)`.",
+    )
     mean = mean - row * jnp.sum(mean, axis=-1, keepdims=True) / total
     cov = covariance - row[..., :, None] * row[..., None, :] / total[..., None]
     var = jnp.diagonal(cov, axis1=-2, axis2=-1)
+    var = refused_where(
+        var,
+        ~(var > 0),
+        "`eqfisher.laplace.laplace_bridge(mean, covariance)`: a class has no "
+        "variance left after the zero-mean correction, so its Dirichlet parameter "
+        "is infinite; the bridge needs variance in every class.",
+    )
     sum_exp = jnp.sum(jnp.exp(-mean), axis=-1, keepdims=True)
     alpha = (1 - 2 / k + jnp.exp(mean) / k**2 * sum_exp) / var
     return alpha / jnp.sum(alpha, axis=-1, keepdims=True)
@@ -262,4 +307,5 @@ def softmax_average(
         print(ef.laplace.softmax_average(samples))  # [[0.5, 0.5]]
         ```
     """
+    _check_classes("softmax_average", jnp.shape(samples)[-1])
     return jnp.mean(jax.nn.softmax(samples, axis=-1), axis=0)
