@@ -1,6 +1,7 @@
 """Settings that change how eqfisher traces a loss, read at trace time.
 
-`eqfisher.configure(...)` changes them for the code inside a `with` block;
+`eqfisher.configure(...)` changes them for the code inside a `with` block (or,
+called as a statement, from the call on);
 `eqfisher.current_config()` reads them. A traced loss is cached per configuration,
 so changing a setting retraces.
 """
@@ -8,7 +9,6 @@ so changing a setting retraces.
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +88,22 @@ def current_config() -> Config:
     return _CURRENT.get()
 
 
-@contextlib.contextmanager
-def configure(**changes: int) -> Iterator[Config]:
-    """Changes eqfisher's settings inside a `with` block.
+class _Configured(contextlib.AbstractContextManager):
+    """What `configure` returns: its settings are in effect from the call; as a
+    context manager, until the end of the `with` block."""
+
+    def __init__(self, token: contextvars.Token):
+        self._token = token
+
+    def __enter__(self) -> Config:
+        return _CURRENT.get()
+
+    def __exit__(self, *exc_info) -> None:
+        _CURRENT.reset(self._token)
+
+
+def configure(**changes: int) -> contextlib.AbstractContextManager[Config]:
+    """Changes eqfisher's settings: inside a `with` block, or from the call on.
 
     **Arguments:**
 
@@ -99,7 +112,10 @@ def configure(**changes: int) -> Iterator[Config]:
 
     **Returns:**
 
-    A context manager; it yields the `eqfisher.Config` in effect inside the block.
+    A context manager; it yields the `eqfisher.Config` in effect inside the block,
+    and restores the settings before the call at its end. Called as a statement,
+    `ef.configure(max_unroll=1024)` changes the settings for the rest of the
+    program (of the thread, or of the enclosing `with` block).
 
     !!! Example
 
@@ -112,8 +128,8 @@ def configure(**changes: int) -> Iterator[Config]:
         assert ef.current_config().max_unroll == 128  # restored after the block
         ```
 
-    Settings are read when a loss is traced, so under `jax.jit` the block must
-    surround the traced call.
+    Settings are read when a loss is traced, so under `jax.jit` the setting must
+    be in effect around the traced call.
     """
     names = {f.name for f in dataclasses.fields(Config)}
     unknown = sorted(set(changes) - names)
@@ -122,8 +138,4 @@ def configure(**changes: int) -> Iterator[Config]:
             f"`eqfisher.configure({unknown[0]}=...)`: no such setting; the settings "
             f"are {', '.join(f'`{n}`' for n in sorted(names))}."
         )
-    token = _CURRENT.set(dataclasses.replace(_CURRENT.get(), **changes))
-    try:
-        yield _CURRENT.get()
-    finally:
-        _CURRENT.reset(token)
+    return _Configured(_CURRENT.set(dataclasses.replace(_CURRENT.get(), **changes)))

@@ -221,6 +221,12 @@ def _mask(model: PyTree, where: Any, call: str, name: str) -> PyTree[bool]:
         flags = [where(*entry) for entry in _leaves_with_nodes(model)]
         selected = jtu.tree_unflatten(jtu.tree_structure(model), flags)
     else:
+        if isinstance(where, str):
+            raise TypeError(
+                f"`{call}`: `{name}` = {where!r} is a string; for a path pattern "
+                f"pass `eqfisher.filters.by_path({where!r})`."
+            )
+        where = _none_as_false(where, model)
         sentinel = object()
         try:
             kept = eqx.filter(model, where, replace=sentinel)
@@ -243,6 +249,22 @@ def _mask(model: PyTree, where: Any, call: str, name: str) -> PyTree[bool]:
             f"{', '.join(paths[:5]) or '(none)'}{more}."
         )
     return selected
+
+
+def _none_as_false(where: Any, model: PyTree) -> Any:
+    """A filter spec with `None` at the model's non-parameter leaves (as
+    `optax_mask` returns it, and `eqx.filter(mask, ...)` makes) read as `False`
+    there: Equinox takes a `None` for an empty subtree, and the structures then
+    differ."""
+    is_none = lambda x: x is None  # noqa: E731
+    if not any(x is None for x in jtu.tree_leaves(where, is_leaf=is_none)):
+        return where
+    try:
+        return jtu.tree_map(
+            lambda w, _: False if w is None else w, where, model, is_leaf=is_none
+        )
+    except ValueError:  # not the model's structure: as it was given
+        return where
 
 
 def params(model: PyTree) -> PyTree:

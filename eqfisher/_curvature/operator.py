@@ -16,7 +16,7 @@ from jaxtyping import Array, Float, PyTree, ScalarLike
 from ..blocks import AbstractBlock
 from ..blocks._base import register_psd_operator
 from . import statistics as stats
-from .structures import matrix_gib
+from .structures import check_gib, matrix_gib
 
 
 def _cast_like(fn: Callable, block, parts: tuple) -> tuple:
@@ -259,6 +259,7 @@ class Curvature(lx.AbstractLinearOperator):
                 *[s.dtype for s in jax.tree_util.tree_leaves(self.structure)]
             )
         )
+        check_gib("eqfisher.Curvature.as_matrix", max_gib)
         gib = matrix_gib(sizes, dtype)
         if gib > max_gib:
             raise ValueError(

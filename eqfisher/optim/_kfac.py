@@ -23,6 +23,7 @@ from ._state import (
     check_range,
     checked_at,
     choose_tree,
+    dtype_mismatch,
     float_type,
     is_constant,
     is_constant_zero,
@@ -34,19 +35,26 @@ from ._state import (
 )
 
 
-def _check_params(caller: str, call: str, params: PyTree) -> None:
-    """Refuses `params` with leaves that are not arrays (the model passed whole:
-    its activations and other static fields), naming the fix."""
+def _check_params(caller: str, call: str, params: PyTree, name: str = "params") -> None:
+    """Refuses `params` (or the `updates`) with leaves that are not floating-point
+    arrays (the model passed whole: its activations and other static fields; an
+    integer leaf of `eqx.filter(model, eqx.is_array)`), naming the fix."""
     paths = [
         jax.tree_util.keystr(path)
         for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float))
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, float))
+        or not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
     ]
     if paths:
+        fix = (
+            "the gradients, shaped as `eqx.filter(model, eqx.is_inexact_array)`"
+            if name == "updates"
+            else "`eqx.filter(model, eqx.is_inexact_array)`, not the model"
+        )
         raise TypeError(
-            f"`eqfisher.optim.{caller}(...).{call}`: `params` must hold arrays only, "
-            f"but has a non-array leaf at {paths[0]}; pass the parameters, "
-            "`eqx.filter(model, eqx.is_inexact_array)`, not the model."
+            f"`eqfisher.optim.{caller}(...).{call}`: `{name}` must hold "
+            f"floating-point arrays only, but has another leaf at {paths[0]}; pass "
+            f"{fix}."
         )
 
 
@@ -116,6 +124,11 @@ def fold(
             + (f": {what}" if what else "")
             + "; build `like` with `eqfisher.optim.curvature_like` from the same "
             "function and model."
+        )
+    mismatch = dtype_mismatch(state.curvature, curvature, "the state's average")
+    if mismatch:
+        raise ValueError(
+            f"`eqfisher.optim.{caller}(...).update(..., curvature=...)`: {mismatch}."
         )
     finite = all_finite(curvature)
     n_good = _checked_traced(
@@ -414,8 +427,10 @@ def _preconditioner(
         updates, state, params=None, *, curvature=None, curvature_due=None, **extra
     ):
         del extra
+        call = "update(updates, state, params)"
+        _check_params(caller, call, updates, "updates")
         if params is not None:
-            _check_params(caller, "update(updates, state, params)", params)
+            _check_params(caller, call, params)
         updates, state = receive(
             caller, updates, state, curvature, curvature_due, fold_in
         )
@@ -529,6 +544,9 @@ def kfac(
             "(e.g. `optax.scale_by_adam()`) or `None`; got "
             f"{type(graft).__name__}."
         )
+    # Applied after the preconditioner's finite guard: a NaN here is a NaN model.
+    check_range("kfac", "weight_decay", weight_decay, 0.0, None, True)
+    check_range("kfac", "momentum", momentum, 0.0, 1.0, True)
     preconditioner = _preconditioner(
         "kfac",
         like=like,

@@ -98,6 +98,12 @@ def check_range(
 ) -> None:
     if not is_constant(value):
         return
+    if not _is_real_scalar(value):
+        raise TypeError(
+            f"`eqfisher.optim.{caller}(..., {name}=...)`: a real number (or, where "
+            "taken, a schedule: a function of the step count), got "
+            f"{value!r}."
+        )
     v = float(value)
     ok = (v >= low if closed else v > low) and (high is None or v < high)
     if not ok or not math.isfinite(v):
@@ -109,6 +115,20 @@ def check_range(
             f"`eqfisher.optim.{caller}(..., {name}=...)`: `{name}` must be "
             f"finite and {bounds}, got {value!r}."
         )
+
+
+def _is_real_scalar(value: Any) -> bool:
+    """Whether `value` is one real number: a Python or NumPy scalar, or an array of
+    no axes (a string such as `"1e-2"` would pass `float`, a vector fail in it)."""
+    if isinstance(value, (str, bytes, bool)):
+        return False
+    try:
+        dtype = jnp.result_type(value)
+    except TypeError:
+        return False
+    return jnp.ndim(value) == 0 and (
+        jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+    )
 
 
 def is_constant_zero(value: Any) -> bool:
@@ -452,4 +472,20 @@ def like_mismatch(like: Any, curvature: Any) -> str:
             f"the parameters covered differ: leaf shapes {want_shapes} in `like`, "
             f"{got_shapes} in `curvature=`"
         )
+    return dtype_mismatch(like, curvature, "`like`")
+
+
+def dtype_mismatch(ours: Any, curvature: Any, what: str) -> str:
+    """Where the floating-point dtypes of `ours` (the optimiser's `like`, or its
+    state's average) and a received `curvature` differ, for the error message;
+    "" where they agree."""
+    pairs = zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(curvature))
+    for a, b in pairs:
+        if jnp.result_type(a) != jnp.result_type(b):
+            return (
+                f"the dtypes differ: {jnp.result_type(a)} in {what}, "
+                f"{jnp.result_type(b)} in `curvature=` (build `like` and the "
+                "state from the model in the dtype it trains in, and do not cast "
+                "the state)"
+            )
     return ""

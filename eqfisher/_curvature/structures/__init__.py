@@ -42,5 +42,6 @@ from .protocol import (
     Needs as Needs,
     Statistics as Statistics,
     WeightSharing as WeightSharing,
+    check_gib as check_gib,
     matrix_gib as matrix_gib,
 )

@@ -6,7 +6,7 @@ import math
 import equinox as eqx
 import jax.numpy as jnp
 
-from .protocol import AbstractStructure, Group, Needs, matrix_gib
+from .protocol import AbstractStructure, Group, Needs, check_gib, matrix_gib
 
 
 class Dense(AbstractStructure):
@@ -27,6 +27,9 @@ class Dense(AbstractStructure):
 
     max_gib: float = eqx.field(static=True, default=1.0)
     steps_alike = False
+
+    def __check_init__(self):
+        check_gib("eqfisher.Dense", self.max_gib)
 
     def groups(self, candidates, model):
         merged = Group.merge(candidates, "all")

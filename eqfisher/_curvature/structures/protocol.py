@@ -5,7 +5,8 @@ built from) and `Statistics` (those statistics, with the blocks they give).
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Literal
+import math
+from typing import TYPE_CHECKING, Any, Literal
 
 import equinox as eqx
 import jax
@@ -34,6 +35,16 @@ else:
 
 
 GIB = 2**30
+
+
+def check_gib(call: str, max_gib: Any) -> None:
+    """Refuses a `max_gib` that is not a positive finite number (NaN turned the
+    memory guard off, a string failed in a comparison)."""
+    ok = isinstance(max_gib, (int, float)) and not isinstance(max_gib, bool)
+    if not (ok and math.isfinite(max_gib) and max_gib > 0):
+        raise ValueError(
+            f"`{call}(max_gib=...)`: a positive number of GiB, got {max_gib!r}."
+        )
 
 
 def matrix_gib(sizes: list[int], dtype) -> float:

@@ -1,0 +1,110 @@
+"""Ordinary mistakes that passed silently, or failed deep inside JAX, optax or
+Equinox (the third audit): each now gives the right answer or an error that names
+the argument and the fix."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqfisher as ef
+from eqfisher import optim
+
+from .optim_problem import VGC, like, loss_fn, problem
+
+
+def _params(model):
+    return eqx.filter(model, eqx.is_inexact_array)
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("weight_decay", float("nan")),  # a NaN model after a few steps
+        ("weight_decay", -1.0),
+        ("momentum", float("nan")),
+        ("momentum", 2.0),
+    ],
+)
+def test_kfac_momentum_and_weight_decay_are_checked(unchecked, name, value):
+    with pytest.raises(ValueError, match=rf"kfac\(\.\.\., {name}=\.\.\.\)"):
+        optim.kfac(0.1, like=like(), **{name: value})
+
+
+@pytest.mark.parametrize("value", ["1e-2", jnp.full(2, 1e-2), True])
+def test_hyperparameters_must_be_numbers(unchecked, value):
+    # "1e-2" passed `float` and failed in numpy at the first step; a vector
+    # failed in jax's scalar conversion.
+    with pytest.raises(TypeError, match=r"learning_rate=\.\.\.\)`: a real number"):
+        optim.kfac(value, like=like())
+
+
+def test_update_and_init_name_what_is_not_a_gradient_or_parameter(unchecked):
+    model, batch = problem()
+    opt = optim.kfac(0.1, like=like())
+    state = opt.init(_params(model))
+    _, grads, curv = VGC(model, batch)
+    with pytest.raises(TypeError, match="`updates` must hold floating-point arrays"):
+        opt.update(model, state, _params(model), curvature=curv)
+    # `eqx.is_array` keeps integer leaves: named, where the step said only that
+    # the state was not the optimiser's.
+    counted = (_params(model), jnp.arange(3))
+    with pytest.raises(TypeError, match=r"`params` must hold floating-point.*\[1\]"):
+        optim.kfac(0.1, like=like()).init(counted)
+
+
+def test_where_takes_an_optax_mask_and_names_by_path_for_a_string(unchecked):
+    model, batch = problem()
+    mask = ef.filters.optax_mask(model, ef.filters.by_path("layers[1].*"))
+
+    def last(where):
+        return ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.Dense(), where=where
+        ).as_matrix()
+
+    # `None` at the activation (not a parameter) is read as False.
+    np.testing.assert_array_equal(last(mask), last(ef.filters.by_path("layers[1].*")))
+    with pytest.raises(TypeError, match=r"by_path\('layers\[1\]\.\*'\)"):
+        last("layers[1].*")
+
+
+def test_a_state_or_like_of_another_dtype_is_named():
+    model, batch = problem()  # float64
+    opt = optim.kfac(0.1, like=like())
+    step = optim.kfac_step(loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC())
+    state = opt.init(_params(model))
+    cast = jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a,
+        state,
+    )
+    with pytest.raises(ValueError, match="dtypes differ: float32 in the state's"):
+        step(model, cast, batch)
+    single = jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.float32) if eqx.is_inexact_array(a) else a, model
+    )
+    x, y = batch
+    like32 = optim.curvature_like(VGC, single, (x.astype(jnp.float32), y))
+    opt32 = optim.kfac(0.1, like=like32)
+    step32 = optim.kfac_step(loss_fn, opt32, estimator=ef.GGN(), structure=ef.KFAC())
+    with pytest.raises(ValueError, match="dtypes differ: float32 in `like`"):
+        step32(model, opt32.init(_params(model)), batch)
+
+
+@pytest.mark.parametrize("value", [float("nan"), "1", -1.0, 0])
+def test_max_gib_is_a_positive_number(unchecked, value):
+    # NaN turned the memory guard off; "1" failed in a comparison.
+    with pytest.raises(ValueError, match=r"Dense\(max_gib=\.\.\.\)`: a positive"):
+        ef.Dense(max_gib=value)
+    model, batch = problem()
+    curv = VGC(model, batch)[2]
+    with pytest.raises(ValueError, match=r"as_matrix\(max_gib=\.\.\.\)`: a positive"):
+        curv.as_matrix(max_gib=value)
+
+
+def test_configure_as_a_statement_takes_effect():
+    # It was a generator context manager: called without `with` it did nothing.
+    with ef.configure(max_unroll=7):
+        ef.configure(max_unroll=9)
+        assert ef.current_config().max_unroll == 9
+    assert ef.current_config().max_unroll == 128  # the block restores
