@@ -6,6 +6,7 @@ built from) and `Statistics` (those statistics, with the blocks they give).
 import abc
 import dataclasses
 import math
+import numbers
 from typing import TYPE_CHECKING, Any, Literal
 
 import equinox as eqx
@@ -40,7 +41,7 @@ GIB = 2**30
 def check_gib(call: str, max_gib: Any) -> None:
     """Refuses a `max_gib` that is not a positive finite number (NaN turned the
     memory guard off, a string failed in a comparison)."""
-    ok = isinstance(max_gib, (int, float)) and not isinstance(max_gib, bool)
+    ok = isinstance(max_gib, numbers.Real) and not isinstance(max_gib, bool)
     if not (ok and math.isfinite(max_gib) and max_gib > 0):
         raise ValueError(
             f"`{call}(max_gib=...)`: a positive number of GiB, got {max_gib!r}."
