@@ -42,7 +42,7 @@ def check_gib(call: str, max_gib: Any) -> None:
     """Refuses a `max_gib` that is not a positive finite number (NaN turned the
     memory guard off, a string failed in a comparison)."""
     ok = isinstance(max_gib, numbers.Real) and not isinstance(max_gib, bool)
-    if not (ok and math.isfinite(max_gib) and max_gib > 0):
+    if not (ok and math.isfinite(float(max_gib)) and float(max_gib) > 0):
         raise ValueError(
             f"`{call}(max_gib=...)`: a positive number of GiB, got {max_gib!r}."
         )
