@@ -16,6 +16,19 @@ from .helpers import tree_allclose
 from .optim_problem import loss_fn, problem
 
 
+def _step(loss, opt, **options):
+    """`kfac_step` with the GGN in K-FAC form, as every test here uses."""
+    return optim.kfac_step(
+        loss, opt, estimator=ef.GGN(), structure=ef.KFAC(), **options
+    )
+
+
+def _vgc(**kwargs):
+    return ef.value_grad_and_curvature(
+        loss_fn, estimator=ef.GGN(), structure=ef.KFAC(), **kwargs
+    )
+
+
 def _params(model):
     return eqx.filter(model, eqx.is_inexact_array)
 
@@ -53,24 +66,10 @@ def _loss_and_accuracy(model, batch):
 @pytest.mark.parametrize("curvature_batch_size", [None, 16])
 def test_has_aux_returns_the_aux_and_steps_as_without(curvature_batch_size):
     model, batch = problem()
-    estimator, structure = ef.GGN(), ef.KFAC()
-    vgc = ef.value_grad_and_curvature(loss_fn, estimator=estimator, structure=structure)
-    opt = optim.kfac(0.1, like=optim.curvature_like(vgc, model, batch))
-    step = optim.kfac_step(
-        _loss_and_accuracy,
-        opt,
-        estimator=estimator,
-        structure=structure,
-        has_aux=True,
-        curvature_batch_size=curvature_batch_size,
-    )
-    plain = optim.kfac_step(
-        loss_fn,
-        opt,
-        estimator=estimator,
-        structure=structure,
-        curvature_batch_size=curvature_batch_size,
-    )
+    opt = optim.kfac(0.1, like=optim.curvature_like(_vgc(), model, batch))
+    sub = {"curvature_batch_size": curvature_batch_size}
+    step = _step(_loss_and_accuracy, opt, has_aux=True, **sub)
+    plain = _step(loss_fn, opt, **sub)
     got, _, values = _run(step, opt, model, batch, 3)
     want, _, losses = _run(plain, opt, model, batch, 3)
     assert tree_allclose(_params(got), _params(want), rtol=1e-12, atol=1e-14)
@@ -89,9 +88,7 @@ def test_has_aux_aux_follows_the_model_of_each_step():
         _loss_and_accuracy, estimator=ef.GGN(), structure=ef.KFAC(), has_aux=True
     )
     opt = optim.kfac(0.1, like=optim.curvature_like(vgc, model, batch))
-    step = optim.kfac_step(
-        _loss_and_accuracy, opt, estimator=ef.GGN(), structure=ef.KFAC(), has_aux=True
-    )
+    step = _step(_loss_and_accuracy, opt, has_aux=True)
     got, _, values = _run(step, opt, model, batch, 3)
     want, expected = _by_hand(vgc, opt, model, batch, 3)
     assert tree_allclose(_params(got), _params(want), rtol=1e-10, atol=1e-12)
@@ -103,9 +100,7 @@ def test_has_aux_aux_follows_the_model_of_each_step():
 def test_a_tuple_loss_without_has_aux_names_kfac_step():
     model, batch = problem()
     opt = optim.kfac(0.1, like=optim.curvature_like(_vgc(), model, batch))
-    step = optim.kfac_step(
-        _loss_and_accuracy, opt, estimator=ef.GGN(), structure=ef.KFAC()
-    )
+    step = _step(_loss_and_accuracy, opt)
     with pytest.raises((TypeError, ValueError), match=r"kfac_step.*has_aux=True"):
         step(model, opt.init(_params(model)), batch)
 
@@ -113,15 +108,7 @@ def test_a_tuple_loss_without_has_aux_names_kfac_step():
 def test_has_aux_must_be_a_bool(unchecked):
     opt = optim.kfac(0.1, like=optim.curvature_like(_vgc(), *problem()))
     with pytest.raises(TypeError, match=r"kfac_step\(has_aux=...\)"):
-        optim.kfac_step(
-            loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC(), has_aux=1
-        )
-
-
-def _vgc(**kwargs):
-    return ef.value_grad_and_curvature(
-        loss_fn, estimator=ef.GGN(), structure=ef.KFAC(), **kwargs
-    )
+        _step(loss_fn, opt, has_aux=1)
 
 
 def test_where_preconditions_the_selected_layer_and_adam_the_rest():
@@ -134,9 +121,7 @@ def test_where_preconditions_the_selected_layer_and_adam_the_rest():
     rest = jax.tree_util.tree_map(lambda m: not m, mask)
     kfac = optim.kfac(0.1, like=optim.curvature_like(vgc, model, batch))
     opt = optax.chain(optax.masked(kfac, mask), optax.masked(optax.adam(1e-2), rest))
-    step = optim.kfac_step(
-        loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC(), where=where
-    )
+    step = _step(loss_fn, opt, where=where)
     with jax.numpy_dtype_promotion("standard"):  # optax's Adam mixes dtypes
         got, state, _ = _run(step, opt, model, batch, 3)
         want, _ = _by_hand(vgc, opt, model, batch, 3)
@@ -180,26 +165,17 @@ def test_examples_time_major_batch():
     _, (x, y) = problem()
     batch = (x.T, y)
     examples = ef.IndependentExamples(axis=(1, 0))
-    estimator, structure = ef.GGN(), ef.KFAC()
     vgc = ef.value_grad_and_curvature(
-        _time_major_loss, estimator=estimator, structure=structure, examples=examples
+        _time_major_loss, estimator=ef.GGN(), structure=ef.KFAC(), examples=examples
     )
     opt = optim.kfac(0.1, like=optim.curvature_like(vgc, model, batch))
-    step = optim.kfac_step(
-        _time_major_loss,
-        opt,
-        estimator=estimator,
-        structure=structure,
-        examples=examples,
-    )
+    step = _step(_time_major_loss, opt, examples=examples)
     got, state, _ = _run(step, opt, model, batch, 3)
     want, _ = _by_hand(vgc, opt, model, batch, 3)
     assert tree_allclose(_params(got), _params(want), rtol=1e-10, atol=1e-12)
     # Without `examples=` the LayerNorm's per-example rows are refused, and the
     # error names the step and the option it takes.
-    leading = optim.kfac_step(
-        _time_major_loss, opt, estimator=estimator, structure=structure
-    )
+    leading = _step(_time_major_loss, opt)
     with pytest.raises(ValueError, match=r"kfac_step.*examples=eqfisher"):
         _run(leading, opt, model, batch, 1)
     assert "norm" in optim.find_kfac_state(state).curvature.blocks
@@ -209,11 +185,9 @@ def test_curvature_batch_size_refuses_examples_off_the_leading_axis():
     model, batch = problem()
     opt = optim.kfac(0.1, like=optim.curvature_like(_vgc(), model, batch))
     with pytest.raises(ValueError, match=r"curvature_batch_size.*leading axis"):
-        optim.kfac_step(
+        _step(
             loss_fn,
             opt,
-            estimator=ef.GGN(),
-            structure=ef.KFAC(),
             curvature_batch_size=8,
             examples=ef.IndependentExamples(axis=1),
         )
@@ -233,7 +207,7 @@ def test_a_state_of_another_optimiser_is_named():
         optax.scale_by_learning_rate(1e-2),
     )
     state = optim.kfac(1e-2, like=like).init(_params(model))
-    step = optim.kfac_step(loss_fn, grafted, estimator=ef.GGN(), structure=ef.KFAC())
+    step = _step(loss_fn, grafted)
     with pytest.raises(ValueError, match=r"`opt_state` is not a state of the"):
         step(model, state, batch)
 
@@ -244,7 +218,7 @@ def test_a_failed_check_in_the_step_is_equinox_error(capfd):
     # Equinox's advice to use `eqx.filter_jit`; jax also logged it to stderr.
     model, (x, y) = problem()
     opt = optim.kfac(0.1, like=optim.curvature_like(_vgc(), model, (x, y)))
-    step = optim.kfac_step(loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC())
+    step = _step(loss_fn, opt)
     with pytest.raises(eqx.EquinoxRuntimeError) as info:
         step(model, opt.init(_params(model)), (x, y.at[0].set(7)))
     message = str(info.value)
@@ -263,9 +237,7 @@ def test_aux_keeps_leaves_that_are_not_arrays():
         return loss, {**aux, "tag": "digits", "lr": 0.1, "flag": True}
 
     opt = optim.kfac(0.1, like=optim.curvature_like(_vgc(), model, batch))
-    step = optim.kfac_step(
-        tagged, opt, estimator=ef.GGN(), structure=ef.KFAC(), has_aux=True
-    )
+    step = _step(tagged, opt, has_aux=True)
     _, _, (_, aux) = step(model, opt.init(_params(model)), batch)
     assert aux["tag"] == "digits" and aux["n"] == 64 and aux["flag"] is True
     assert type(aux["n"]) is int and type(aux["lr"]) is float
@@ -284,7 +256,7 @@ def test_hyperparameters_set_in_the_state_are_checked(name, value):
     model, batch = problem()
     like = optim.curvature_like(_vgc(), model, batch)
     opt = optax.inject_hyperparams(optim.kfac)(learning_rate=0.1, like=like)
-    step = optim.kfac_step(loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC())
+    step = _step(loss_fn, opt)
     state = opt.init(_params(model))
     step(model, state, batch)  # in range: runs
     state.hyperparams[name] = jnp.asarray(value, state.hyperparams[name].dtype)
@@ -298,7 +270,5 @@ def test_hyperparameters_set_in_the_state_are_checked(name, value):
 def test_bad_periods_and_sizes_name_the_step_once(name, value):
     opt = optim.kfac(0.1, like=optim.curvature_like(_vgc(), *problem()))
     with pytest.raises(ValueError) as info:
-        optim.kfac_step(
-            loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC(), **{name: value}
-        )
+        _step(loss_fn, opt, **{name: value})
     assert str(info.value).startswith(f"`eqfisher.optim.kfac_step(..., {name}=...)`")

@@ -18,6 +18,7 @@ estimates the bytes of the blocks from shapes alone.
 This face re-exports what the rest of eqfisher uses.
 """
 
+from .builder import check_examples as check_examples
 from .estimators import (
     GGN as GGN,
     AbstractEstimator as AbstractEstimator,

@@ -36,12 +36,16 @@ from .structures import (
 )
 
 
-def check_args(caller: str, estimator, structure, key, examples) -> None:
+def check_examples(caller: str, examples) -> None:
     if not isinstance(examples, AbstractExamples):
         raise TypeError(
             f"`{caller}(..., examples=...)`: expected eqfisher.IndependentExamples() "
             f"or eqfisher.InteractingExamples(), got {examples!r}."
         )
+
+
+def check_args(caller: str, estimator, structure, key, examples) -> None:
+    check_examples(caller, examples)
     if not isinstance(estimator, AbstractEstimator):
         raise TypeError(
             f"`{caller}(..., estimator=...)`: expected an estimator such as "

@@ -140,14 +140,15 @@ def _distinct(donated: list[Any], kept: list[Any]) -> list[Any]:
 # failure to stderr. A step raises Equinox's own error instead, as
 # `eqx.filter_jit` does, and its failed checks are not logged.
 callback_log = logging.getLogger("jax._src.callback")
-_CHECK = "_EquinoxRuntimeError: "
+_CHECK_ERROR = "_EquinoxRuntimeError"  # the class Equinox's check raises inside
+_CHECK = _CHECK_ERROR + ": "
 _CHECK_END = "\n\n\n--------------------\n"
 
 
 def _quiet_check(record: logging.LogRecord) -> bool:
     """Whether jax's log of a failed callback is kept: not for a failed check."""
     error = record.exc_info[1] if record.exc_info else None
-    return type(error).__name__ + ": " != _CHECK
+    return type(error).__name__ != _CHECK_ERROR
 
 
 def _check_message(error: str) -> str | None:

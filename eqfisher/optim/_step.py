@@ -13,6 +13,7 @@ from .._curvature import (
     AbstractExamples,
     AbstractStructure,
     IndependentExamples,
+    check_examples,
     value_grad_and_curvature,
     value_grad_then_curvature,
 )
@@ -180,11 +181,7 @@ def kfac_step(
     """
     caller = "eqfisher.optim.kfac_step"
     check_positive_int("kfac_step", "curvature_update_period", curvature_update_period)
-    if not isinstance(examples, AbstractExamples):
-        raise TypeError(
-            f"`{caller}(..., examples=...)`: expected eqfisher.IndependentExamples() "
-            f"or eqfisher.InteractingExamples(), got {examples!r}."
-        )
+    check_examples(caller, examples)
     if curvature_batch_size is not None:
         check_positive_int("kfac_step", "curvature_batch_size", curvature_batch_size)
         _check_leading(examples)
