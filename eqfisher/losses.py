@@ -8,7 +8,7 @@ loss family sits on top of it, the targets, and the per-example weights.
 """
 
 import abc
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import equinox as eqx
 import jax
@@ -73,6 +73,10 @@ class AbstractLossFamily(eqx.Module):
     """
 
     name: AbstractClassVar[str]
+    # Whether the loss ignores a shift common to all outputs (softmax does): the
+    # data then constrain nothing along it (`eqfisher.laplace.predictive_diagnosis`
+    # projects it out). A subclass that is shift-invariant sets it to `True`.
+    shift_invariant: ClassVar[bool] = False
 
     @abc.abstractmethod
     def per_example(
@@ -160,6 +164,7 @@ class Categorical(AbstractLossFamily):
     """
 
     name = "categorical"
+    shift_invariant = True
 
     def per_example(self, inputs, targets):
         log_p = jax.nn.log_softmax(inputs, axis=-1)

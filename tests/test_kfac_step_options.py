@@ -249,13 +249,25 @@ def test_aux_keeps_leaves_that_are_not_arrays():
     assert aux["tag"] == "digits" and type(aux["n"]) is int
 
 
-@pytest.mark.parametrize("name,value", [("decay", 1.5), ("inverse_every", 0)])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("decay", 1.5),
+        ("inverse_every", 0),
+        ("momentum", float("nan")),
+        ("momentum", 1.0),
+        ("weight_decay", -1.0),
+    ],
+)
 def test_hyperparameters_set_in_the_state_are_checked(name, value):
     # Under `optax.inject_hyperparams` they are arrays in the state, out of reach
-    # of the checks made when the optimiser is built; a decay of 1.5 was used.
+    # of the checks made when the optimiser is built; a decay of 1.5 was used, and
+    # a NaN momentum made a NaN model (it acts after the finite guard).
     model, batch = problem()
     like = optim.curvature_like(_vgc(), model, batch)
-    opt = optax.inject_hyperparams(optim.kfac)(learning_rate=0.1, like=like)
+    opt = optax.inject_hyperparams(optim.kfac)(
+        learning_rate=0.1, like=like, momentum=0.5, weight_decay=1e-4
+    )
     step = _step(loss_fn, opt)
     state = opt.init(_params(model))
     step(model, state, batch)  # in range: runs

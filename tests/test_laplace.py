@@ -575,6 +575,63 @@ def test_predictive_diagnosis_against_jacfwd(case, per_block):
     np.testing.assert_allclose(got.probit_factor, factor, rtol=1e-9)
 
 
+def test_predictive_diagnosis_multilabel_sigmoid():
+    """Independent sigmoids (several labels per example) are not shift-invariant:
+    `fit` records it, and the diagnosis neither centres the logits nor scales by
+    their spread across outputs; it matches `jax.jacfwd` and the dense GGN."""
+    model = make_model()
+    x, _ = make_data(False)
+    labels = jax.random.bernoulli(jax.random.key(3), 0.5, (N, D_OUT))
+
+    def loss_fn(model, batch):
+        x, t = batch
+        return ef.sigmoid_cross_entropy(jax.vmap(model)(x), t)
+
+    lap = la.fit(
+        loss_fn,
+        model,
+        (x, labels),
+        likelihood="classification",
+        structure=ef.Dense(),
+        prior_precision=0.3,
+    )
+    assert lap.shift_invariant is False
+    assert fitted("dense", None, False)[0].shift_invariant is True
+    assert fitted("dense", None, True)[0].shift_invariant is False
+
+    def bernoulli(out):
+        t = labels.astype(out.dtype)
+        return jnp.mean(jnp.sum(jax.nn.softplus(out) - t * out, axis=-1))
+
+    c = dense_ggn(lambda m: jax.vmap(m)(x), bernoulli, model)
+    precision = N * c + 0.3 * np.eye(len(c))
+    x5 = x[:5]
+    fn, theta = flat_outputs(model, x5, selected_mask(model, None))
+    jac = np.asarray(jax.jit(jax.jacfwd(fn))(theta))
+    cov = np.einsum("bkp,pq,blq->bkl", jac, np.linalg.inv(precision), jac)
+    cov_prior = np.einsum("bkp,blp->bkl", jac, jac) / 0.3
+    got = eqx.filter_jit(la.predictive_diagnosis)(lap, x5)
+    assert got.shift_invariant is False
+    share = np.trace(cov, axis1=1, axis2=2) / np.trace(cov_prior, axis1=1, axis2=2)
+    np.testing.assert_allclose(got.prior_share, share, rtol=1e-9)
+    mean = np.asarray(fn(theta))
+    np.testing.assert_allclose(
+        got.output_scale, np.sqrt(np.mean(mean**2, -1)), rtol=1e-12
+    )
+    # A hand-built posterior that does not say (`None`) keeps the old reading:
+    # several classification outputs are softmax logits.
+    unknown = la.Laplace(
+        lap.curvature,
+        model,
+        loss=lap.loss,
+        num_data=N,
+        likelihood="classification",
+        prior_precision=0.3,
+    )
+    assert unknown.shift_invariant is None
+    assert eqx.filter_jit(la.predictive_diagnosis)(unknown, x5).shift_invariant
+
+
 def test_predictive_diagnosis_summary():
     """The summary warns where the predictive swamps the logits, and says whether the
     prior or the data set its variance; it does not for a narrow posterior."""

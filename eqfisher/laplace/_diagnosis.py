@@ -32,8 +32,9 @@ class PredictiveDiagnosis(eqx.Module):
     - `prior_share`: $\operatorname{tr}(P J \Lambda^{-1} J^\top P) /
       \operatorname{tr}(P J \operatorname{diag}(\delta)^{-1} J^\top P)$, the share
       of the prior's variance the data left, with $P$ the projection off a shift
-      common to all logits for classification with several classes (which softmax
-      ignores and no data constrain), the identity otherwise. Near 1 the data
+      common to all logits where the likelihood ignores it (softmax over several
+      classes: no data constrain it), the identity otherwise (independent
+      sigmoids, regression). Near 1 the data
       barely constrain the directions the outputs depend on, and the prior
       precision sets the predictive variance; near 0 the curvature does.
 
@@ -44,6 +45,9 @@ class PredictiveDiagnosis(eqx.Module):
     - `prior_share`: shape `(batch,)`.
     - `noise_std`: $\sigma$ (regression; 1 for classification).
     - `likelihood`: static, as the posterior's.
+    - `shift_invariant`: static; whether the outputs are softmax logits (the
+      posterior's `shift_invariant`, or with `None` there, classification with
+      several outputs).
 
     !!! Example
 
@@ -65,18 +69,21 @@ class PredictiveDiagnosis(eqx.Module):
     prior_share: Float[Array, " batch"]
     noise_std: Float[Array, ""]
     likelihood: Likelihood = eqx.field(static=True)
+    shift_invariant: bool = eqx.field(static=True)
 
     @property
     def output_scale(self) -> Float[Array, " batch"]:
         r"""The scale the predictive standard deviation is compared with, per example.
 
-        Classification: the standard deviation of the logits across classes (softmax
-        ignores a shift common to all classes). Regression: $\sigma$, the noise.
+        Softmax classification: the standard deviation of the logits across classes
+        (softmax ignores a shift common to all classes). Sigmoid classification: the
+        root mean square of the logits (the logit's size, for one output).
+        Regression: $\sigma$, the noise.
         """
-        if self.likelihood == "classification" and self.mean.shape[-1] > 1:
+        if self.shift_invariant:
             return jnp.std(self.mean, axis=-1)
-        if self.likelihood == "classification":  # one logit (Bernoulli)
-            return jnp.abs(self.mean[:, 0])
+        if self.likelihood == "classification":  # independent sigmoids
+            return jnp.sqrt(jnp.mean(jnp.square(self.mean), axis=-1))
         return jnp.broadcast_to(self.noise_std, self.mean.shape[:1])
 
     @property
@@ -204,7 +211,7 @@ def predictive_diagnosis(
         d = out.shape[0]
         eye = jnp.eye(d, dtype=out.dtype)
         variance, prior = jax.vmap(variances)(eye)
-        if posterior.likelihood == "classification" and d > 1:
+        if _shift_invariant(posterior, d):
             # The rows of P = I - 11ᵀ/D: tr(P Σ P) = Σ_l (P e_l)ᵀ Σ (P e_l).
             centred, centred_prior = jax.vmap(variances)(eye - 1 / d)
             share = jnp.sum(centred) / jnp.sum(centred_prior)
@@ -214,5 +221,19 @@ def predictive_diagnosis(
 
     mean, variance, prior, share = jax.lax.map(one, x, batch_size=chunk_size)
     return PredictiveDiagnosis(
-        mean, variance, prior, share, posterior.noise_std, posterior.likelihood
+        mean,
+        variance,
+        prior,
+        share,
+        posterior.noise_std,
+        posterior.likelihood,
+        _shift_invariant(posterior, mean.shape[-1]),
     )
+
+
+def _shift_invariant(posterior: Laplace, outputs: int) -> bool:
+    """The posterior's `shift_invariant`, or where it is not known (`None`), whether
+    it is classification with several outputs (taken as softmax)."""
+    if posterior.shift_invariant is not None:
+        return posterior.shift_invariant
+    return posterior.likelihood == "classification" and outputs > 1

@@ -95,6 +95,9 @@ class Laplace(eqx.Module):
     - `temperature`: $T$.
     - `likelihood`: static; `"classification"` or `"regression"`.
     - `num_outputs`: static; the output size $D$ (the Gaussian normaliser).
+    - `shift_invariant`: static; whether the likelihood ignores a shift common to
+      all outputs (softmax), or `None` (not known: classification with several
+      outputs is then taken as softmax).
 
     !!! Example
 
@@ -122,6 +125,7 @@ class Laplace(eqx.Module):
     temperature: Float[Array, ""]
     likelihood: Likelihood = eqx.field(static=True)
     num_outputs: int = eqx.field(static=True)
+    shift_invariant: bool | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -135,6 +139,7 @@ class Laplace(eqx.Module):
         noise_std: ScalarLike | None = None,
         temperature: ScalarLike = 1.0,
         num_outputs: int = 1,
+        shift_invariant: bool | None = None,
     ):
         r"""**Arguments:**
 
@@ -157,6 +162,11 @@ class Laplace(eqx.Module):
         error).
         - `num_outputs`: $D$, regression only: the Gaussian normaliser is
             $N D \log(\sigma \sqrt{2\pi})$.
+        - `shift_invariant`: whether the likelihood ignores a shift common to all
+            outputs: `True` for softmax, `False` for independent sigmoids (several
+            labels per example) and regression; `None` (the default) takes
+            classification with several outputs as softmax. `fit` sets it from the
+            registered loss. Only `predictive_diagnosis` reads it.
         """
         if likelihood not in ("classification", "regression"):
             raise ValueError(
@@ -188,6 +198,7 @@ class Laplace(eqx.Module):
         self.temperature = _positive(temperature, dtype, call, "temperature")
         self.likelihood = likelihood
         self.num_outputs = int(num_outputs)
+        self.shift_invariant = shift_invariant
 
     @property
     def curvature_scale(self) -> Float[Array, ""]:
@@ -506,4 +517,5 @@ def fit(
         noise_std=noise_std,
         temperature=temperature,
         num_outputs=registered.inputs.shape[-1],
+        shift_invariant=type(registered.family).shift_invariant,
     )

@@ -22,6 +22,7 @@ from ._state import (
     check_preconditioner_args,
     check_range,
     checked_at,
+    checked_in_range,
     choose_tree,
     dtype_mismatch,
     float_type,
@@ -545,8 +546,8 @@ def kfac(
             f"{type(graft).__name__}."
         )
     # Applied after the preconditioner's finite guard: a NaN here is a NaN model.
-    check_range("kfac", "weight_decay", weight_decay, 0.0, None, True)
-    check_range("kfac", "momentum", momentum, 0.0, 1.0, True)
+    weight_decay = checked_in_range("kfac", "weight_decay", weight_decay, 0.0, None)
+    momentum = checked_in_range("kfac", "momentum", momentum, 0.0, 1.0)
     preconditioner = _preconditioner(
         "kfac",
         like=like,

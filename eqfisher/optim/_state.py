@@ -117,6 +117,28 @@ def check_range(
         )
 
 
+def checked_in_range(
+    caller: str, name: str, value: Any, low: float, high: float | None
+) -> Any:
+    """`value`, checked to be finite and in `[low, high)`: a constant now
+    (`check_range`), a traced one (set in `optax.inject_hyperparams`'s state) at
+    every update, by Equinox's runtime error."""
+    if is_constant(value):
+        check_range(caller, name, value, low, high, True)
+        return value
+    value = jnp.asarray(value)
+    bad = ~(jnp.isfinite(value) & (value >= low))
+    if high is not None:
+        bad = bad | (value >= high)
+    bounds = f">= {low}" if high is None else f"in [{low}, {high})"
+    message = (
+        f"`eqfisher.optim.{caller}(..., {name}=...)`: `{name}` must be finite and "
+        f"{bounds} at every update (a value set in `optax.inject_hyperparams`'s "
+        "state?)."
+    )
+    return refused_where(value, bad, message, lambda: repr(value.item()))
+
+
 def _is_real_scalar(value: Any) -> bool:
     """Whether `value` is one real number: a Python or NumPy scalar, or an array of
     no axes (a string such as `"1e-2"` would pass `float`, a vector fail in it)."""
