@@ -71,6 +71,57 @@ from .tracing import (
 )
 
 
+# What `from eqfisher import *` binds, and what `help(eqfisher)` lists.
+__all__ = [
+    "AbstractEstimator",
+    "AbstractExamples",
+    "AbstractKroneckerStructure",
+    "AbstractStructure",
+    "BlockDiagonal",
+    "BlockMemory",
+    "Config",
+    "Curvature",
+    "Dense",
+    "Diagonal",
+    "EKFAC",
+    "EmpiricalFisher",
+    "FisherExact",
+    "FisherMC",
+    "GGN",
+    "Group",
+    "IndependentExamples",
+    "InteractingExamples",
+    "KFAC",
+    "LayerData",
+    "LayerInfo",
+    "LayerReport",
+    "MemoryEstimate",
+    "Needs",
+    "PerLayer",
+    "RegisteredLoss",
+    "Statistics",
+    "configure",
+    "current_config",
+    "curvature",
+    "empirical_fisher_operator",
+    "find_layers",
+    "ggn_operator",
+    "hessian_operator",
+    "layer_vjp",
+    "loss_tags_hvp",
+    "loss_tags_jvp",
+    "loss_tags_vjp",
+    "memory_estimate",
+    "register_dense",
+    "register_loss",
+    "sigmoid_cross_entropy",
+    "softmax_cross_entropy",
+    "squared_error",
+    "stop_hessian",
+    "value_grad_and_curvature",
+]
+
+
 # Users' tracebacks show their own code, not eqfisher's frames (as Equinox does).
 _hide_frames(_os.path.dirname(__file__))
 

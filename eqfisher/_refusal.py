@@ -1,6 +1,9 @@
-"""`refused_where`: a check on values that may be concrete or traced."""
+"""`refused_where`: a check on values that may be concrete or traced; and
+`checks_surfaced`, which gives the caller a failed check as Equinox's error."""
 
-from collections.abc import Callable
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import equinox as eqx
@@ -48,3 +51,48 @@ def _carried(carrier: _Carrier, zero) -> _Carrier:
         return x + zero  # the weak int keeps `x`'s dtype and weak type
 
     return jax.tree_util.tree_map(attach, carrier)
+
+
+# A failed `eqx.error_if` check in a program compiled by `jax.jit` (as a step, or
+# jax's own `lax.map` called outside any `jit`) reaches the caller as a
+# `JaxRuntimeError` from its host callback, with the message inside a traceback
+# and Equinox's advice to use `eqx.filter_jit`; and jax logs the callback's
+# failure to stderr. `checks_surfaced` raises Equinox's own error instead, as
+# `eqx.filter_jit` does, and keeps failed checks out of the log.
+_callback_log = logging.getLogger("jax._src.callback")
+_CHECK_ERROR = "_EquinoxRuntimeError"  # the class Equinox's check raises inside
+_CHECK = _CHECK_ERROR + ": "
+_CHECK_END = "\n\n\n--------------------\n"
+
+
+def _quiet_check(record: logging.LogRecord) -> bool:
+    """Whether jax's log of a failed callback is kept: not for a failed check."""
+    error = record.exc_info[1] if record.exc_info else None
+    return type(error).__name__ != _CHECK_ERROR
+
+
+def _check_message(error: str) -> str | None:
+    """The message of the failed `eqx.error_if` check in `error`, if one failed."""
+    start = error.rfind(_CHECK)
+    if start < 0:
+        return None
+    start += len(_CHECK)
+    end = error.find(_CHECK_END, start)
+    return error[start : end if end >= 0 else None].strip()
+
+
+@contextlib.contextmanager
+def checks_surfaced() -> Iterator[None]:
+    """Runs the block with a failed `eqx.error_if` check raised as
+    `eqx.EquinoxRuntimeError` with its message alone (older jaxlibs raise the
+    callback's error as a `ValueError`), and not logged; other errors as they are."""
+    _callback_log.addFilter(_quiet_check)
+    try:
+        yield
+    except (ValueError, jax.errors.JaxRuntimeError) as e:
+        message = _check_message(str(e))
+        if message is None:
+            raise
+        raise eqx.EquinoxRuntimeError(message) from None
+    finally:
+        _callback_log.removeFilter(_quiet_check)

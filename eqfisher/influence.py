@@ -28,6 +28,7 @@ from jaxtyping import Array, Float, PyTree, ScalarLike
 
 from . import _linalg as linalg, filters
 from ._curvature import Curvature
+from ._refusal import checks_surfaced
 
 
 class AbstractInverse(eqx.Module):
@@ -302,13 +303,15 @@ def influence_scores(
         leaves = jax.tree_util.tree_leaves(inverse.solve(grad(q)))
         return [_low_rank(x, query_rank) for x in leaves]
 
-    solved = jax.lax.map(precondition, query, batch_size=query_chunk_size)
-
     def row(example):
         g = grad(example)
         return jax.vmap(lambda s: _factored_dot(s, g))(solved)
 
-    return jax.lax.map(row, train, batch_size=chunk_size).T
+    # Called outside any `jit`, each `lax.map` is compiled by jax: a check that
+    # fails in it (CG not converged) is raised as Equinox's error.
+    with checks_surfaced():
+        solved = jax.lax.map(precondition, query, batch_size=query_chunk_size)
+        return jax.lax.map(row, train, batch_size=chunk_size).T
 
 
 def self_influence(
@@ -350,4 +353,5 @@ def self_influence(
         g = grad(example)
         return optax.tree_utils.tree_vdot(g, inverse.solve(g))
 
-    return jax.lax.map(one, train, batch_size=chunk_size)
+    with checks_surfaced():  # as in `influence_scores`
+        return jax.lax.map(one, train, batch_size=chunk_size)

@@ -36,3 +36,18 @@ from ._tracer import (
     loss_tags_vjp as loss_tags_vjp,
     register_dense as register_dense,
 )
+
+
+# What `from eqfisher.tracing import *` binds, and what `help(eqfisher.tracing)` lists.
+__all__ = [
+    "LayerData",
+    "LayerInfo",
+    "LayerReport",
+    "RegisteredLoss",
+    "find_layers",
+    "layer_vjp",
+    "loss_tags_hvp",
+    "loss_tags_jvp",
+    "loss_tags_vjp",
+    "register_dense",
+]

@@ -24,7 +24,7 @@ def test_demo_rejects_bad_steps(capsys):
     with pytest.raises(SystemExit):
         internal.main(["demo", "--steps", "0"])
     err = capsys.readouterr().err
-    assert "--steps must be positive" in err
+    assert "argument --steps: must be positive, got 0" in err
     assert "usage: eqfisher demo" in err  # the demo's own usage
 
 
@@ -37,6 +37,67 @@ def test_demo_rejects_a_plot_file_matplotlib_cannot_write_before_training(
     with pytest.raises(SystemExit):
         internal.main(["demo", "--out", str(tmp_path / "plot.txt")])
     assert "matplotlib writes no .txt file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--seed", "-1"], "argument --seed: must be in [0, 2**32 - 1], got -1"),
+        (["--seed", str(2**32)], "argument --seed: must be in [0, 2**32 - 1]"),
+        (["--out", "{tmp}"], "it is a folder; name a file in it"),
+        (["--out", "{tmp}/file.png/plot.png"], "file.png is not a folder"),
+    ],
+)
+def test_demo_rejects_bad_arguments_before_training(
+    tmp_path, capsys, monkeypatch, argv, message
+):
+    # A seed scikit-learn refuses, or a plot path that cannot be written, failed
+    # with a traceback after the training (the seed 6 s in, the path 15-30 s).
+    import eqfisher._demo as demo
+
+    (tmp_path / "file.png").write_bytes(b"")
+    monkeypatch.setattr(demo, "run_demo", lambda *a: pytest.fail("trained"))
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    with pytest.raises(SystemExit) as info:
+        internal.main(["demo", *argv])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "usage: eqfisher demo" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.png"]  # nothing left
+
+
+def test_demo_checks_a_new_plot_path_without_leaving_a_file(tmp_path, monkeypatch):
+    import eqfisher._demo as demo
+
+    out = tmp_path / "new" / "plot.png"
+    seen = []
+    monkeypatch.setattr(demo, "run_demo", lambda steps, path, seed: seen.append(path))
+    assert internal.main(["demo", "--out", str(out)]) == 0
+    assert seen == [out] and not out.exists()
+
+
+def test_demo_without_its_extras_says_so_on_stderr(capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "eqfisher._demo", None)  # import fails
+    assert internal.main(["demo"]) == 1
+    captured = capsys.readouterr()
+    assert "pip install 'eqfisher[demo]'" in captured.err and not captured.out
+
+
+def test_version_and_python_m():
+    import subprocess
+    import sys
+
+    import eqfisher
+
+    run = subprocess.run(
+        [sys.executable, "-m", "eqfisher", "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert run.stdout.strip() == f"eqfisher {eqfisher.__version__}"
 
 
 def test_demo_plot_labels_the_target(tmp_path, monkeypatch):

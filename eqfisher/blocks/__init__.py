@@ -28,3 +28,14 @@ def __getattr__(name: str):
         )
         return DiagonalBlock
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# What `from eqfisher.blocks import *` binds, and what `help(eqfisher.blocks)` lists.
+__all__ = [
+    "AbstractBlock",
+    "DiagonalBlock",
+    "EigenKroneckerFactored",
+    "Full",
+    "KroneckerFactored",
+    "ekfac_from_kronecker",
+]

@@ -26,3 +26,23 @@ from ._predictive import (
     probit as probit,
     softmax_average as softmax_average,
 )
+
+
+# What `from eqfisher.laplace import *` binds, and what `help(eqfisher.laplace)` lists.
+__all__ = [
+    "Laplace",
+    "PredictiveDiagnosis",
+    "brier_score",
+    "expected_calibration_error",
+    "fit",
+    "glm_predictive",
+    "laplace_bridge",
+    "marglik_training",
+    "negative_log_likelihood",
+    "optimize_hyperparameters",
+    "predictive_diagnosis",
+    "predictive_samples",
+    "probit",
+    "softmax_average",
+    "sqrt_inverse_mv",
+]

@@ -2,7 +2,6 @@
 and a dispatch leaner than `eqx.filter_jit`'s."""
 
 import functools
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,6 +11,7 @@ import jax.core
 import jax.numpy as jnp
 
 from .._host_linalg import usable_cores
+from .._refusal import checks_surfaced
 
 
 # XLA:CPU's element-wise code from its older emitters, optimised by LLVM at -O1: on
@@ -134,33 +134,6 @@ def _distinct(donated: list[Any], kept: list[Any]) -> list[Any]:
     return out
 
 
-# A failed `eqx.error_if` check reaches a plain `jax.jit`'s caller as a
-# `JaxRuntimeError` from its host callback, with the message inside a traceback
-# and Equinox's advice to use `eqx.filter_jit`; and jax logs the callback's
-# failure to stderr. A step raises Equinox's own error instead, as
-# `eqx.filter_jit` does, and its failed checks are not logged.
-callback_log = logging.getLogger("jax._src.callback")
-_CHECK_ERROR = "_EquinoxRuntimeError"  # the class Equinox's check raises inside
-_CHECK = _CHECK_ERROR + ": "
-_CHECK_END = "\n\n\n--------------------\n"
-
-
-def _quiet_check(record: logging.LogRecord) -> bool:
-    """Whether jax's log of a failed callback is kept: not for a failed check."""
-    error = record.exc_info[1] if record.exc_info else None
-    return type(error).__name__ != _CHECK_ERROR
-
-
-def _check_message(error: str) -> str | None:
-    """The message of the failed `eqx.error_if` check in `error`, if one failed."""
-    start = error.rfind(_CHECK)
-    if start < 0:
-        return None
-    start += len(_CHECK)
-    end = error.find(_CHECK_END, start)
-    return error[start : end if end >= 0 else None].strip()
-
-
 class _FlatJit:
     """`fun` jitted as `eqx.filter_jit` does; see `filter_jit_with_options`."""
 
@@ -191,21 +164,16 @@ class _FlatJit:
         if any(isinstance(x, jax.core.Tracer) for x in (*donated, *kept)):
             out_arrays, out_static = self._plain(static, donated, kept)
         else:
-            callback_log.addFilter(_quiet_check)
             try:
-                out_arrays, out_static = self._top(
-                    static, _distinct(donated, kept) if donated else donated, kept
-                )
-            except (ValueError, jax.errors.JaxRuntimeError) as e:
-                message = _check_message(str(e))
-                if message is not None:
-                    raise eqx.EquinoxRuntimeError(message) from None
+                with checks_surfaced():
+                    out_arrays, out_static = self._top(
+                        static, _distinct(donated, kept) if donated else donated, kept
+                    )
+            except ValueError as e:
                 # Inside a trace that closed over these arrays: without options.
-                if not (isinstance(e, ValueError) and _nested_options_error(e)):
+                if not _nested_options_error(e):
                     raise
                 out_arrays, out_static = self._plain(static, donated, kept)
-            finally:
-                callback_log.removeFilter(_quiet_check)
         return _join(out_arrays, out_static.value)
 
     def trace(self, *args: Any, **kwargs: Any) -> Any:

@@ -28,3 +28,20 @@ from ._trace import (
     diagonal as diagonal,
     trace as trace,
 )
+
+
+# What `from eqfisher.spectral import *` binds, and what `help(eqfisher.spectral)` lists.
+__all__ = [
+    "AbstractTraceEstimator",
+    "HutchPlusPlus",
+    "Hutchinson",
+    "Quadrature",
+    "XTrace",
+    "diagonal",
+    "extreme_eigenvalues",
+    "lanczos_quadrature",
+    "spectral_density",
+    "squared_frobenius_norm",
+    "top_eigenpairs",
+    "trace",
+]

@@ -1,0 +1,37 @@
+"""Each public package's `__all__` lists exactly its public names (what `help()`
+shows and `from ... import *` binds): a name added to a package's face without
+`__all__`, or left in `__all__` after it moved, fails here."""
+
+import importlib
+import types
+
+import pytest
+
+
+PACKAGES = [
+    "eqfisher",
+    "eqfisher.blocks",
+    "eqfisher.laplace",
+    "eqfisher.optim",
+    "eqfisher.spectral",
+    "eqfisher.tracing",
+]
+
+
+@pytest.mark.parametrize("name", PACKAGES)
+def test_all_lists_the_public_names(name):
+    module = importlib.import_module(name)
+    public = {
+        n
+        for n in vars(module)
+        if not n.startswith("_")
+        and not isinstance(getattr(module, n), types.ModuleType)
+    }
+    assert sorted(module.__all__) == sorted(public)
+
+
+def test_star_import_binds_the_api_not_the_submodules():
+    namespace: dict = {}
+    exec("from eqfisher import *", namespace)
+    assert "curvature" in namespace and "KFAC" in namespace
+    assert "filters" not in namespace and "losses" not in namespace
