@@ -147,6 +147,7 @@ class PredictiveDiagnosis(eqx.Module):
         return "\n".join(lines)
 
 
+@eqx.filter_jit  # as `glm_predictive`
 def predictive_diagnosis(
     posterior: Laplace,
     x: PyTree,

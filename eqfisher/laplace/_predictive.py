@@ -4,6 +4,7 @@ the outputs, probit and Laplace-bridge link approximations, Monte-Carlo samples.
 import math
 from collections.abc import Callable
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
@@ -43,6 +44,9 @@ def linearise(
     return out, jvp, jax.linear_transpose(jvp, posterior.mean)
 
 
+# Compiled: called outside `jit`, each `lax.map` inside would be compiled again
+# at every call (its functions are new closures).
+@eqx.filter_jit
 def glm_predictive(
     posterior: Laplace,
     x: PyTree,
@@ -104,6 +108,9 @@ def glm_predictive(
     return jax.lax.map(one, x, batch_size=chunk_size)
 
 
+# Compiled: called outside `jit`, each `lax.map` inside would be compiled again
+# at every call (its functions are new closures).
+@eqx.filter_jit
 def predictive_samples(
     posterior: Laplace,
     x: PyTree,
