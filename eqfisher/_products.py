@@ -106,9 +106,11 @@ def empirical_fisher_operator(
     As for `eqfisher.EmpiricalFisher`, $\ell_n$ is example $n$'s loss: its entries
     along the other axes of a registered loss (a sequence's $T$ positions) are
     summed before the outer product, and several registered losses add their
-    matrices. The example axis is each registered loss's first; for outputs laid
-    out otherwise (time-major, say), use `eqfisher.curvature(...,
-    estimator=eqfisher.EmpiricalFisher(), examples=...)`.
+    matrices. The example axis is each registered loss's first, whatever the
+    batch's is: for outputs laid out otherwise (time-major, or stacked over an
+    ensemble's members), this is another matrix than `eqfisher.curvature(...,
+    estimator=eqfisher.EmpiricalFisher())`, which finds the example axis (or takes
+    `examples=`); use that.
 
     **Raises:**
 
