@@ -26,9 +26,8 @@ import lineax as lx
 import optax
 from jaxtyping import Array, Float, PyTree, ScalarLike
 
-from . import _linalg as linalg, filters
+from . import _linalg as linalg, _refusal, filters
 from ._curvature import Curvature
-from ._refusal import checks_surfaced
 
 
 class AbstractInverse(eqx.Module):
@@ -309,7 +308,7 @@ def influence_scores(
 
     # Called outside any `jit`, each `lax.map` is compiled by jax: a check that
     # fails in it (CG not converged) is raised as Equinox's error.
-    with checks_surfaced():
+    with _refusal.checks_surfaced():
         solved = jax.lax.map(precondition, query, batch_size=query_chunk_size)
         return jax.lax.map(row, train, batch_size=chunk_size).T
 
@@ -353,5 +352,5 @@ def self_influence(
         g = grad(example)
         return optax.tree_utils.tree_vdot(g, inverse.solve(g))
 
-    with checks_surfaced():  # as in `influence_scores`
+    with _refusal.checks_surfaced():  # as in `influence_scores`
         return jax.lax.map(one, train, batch_size=chunk_size)
