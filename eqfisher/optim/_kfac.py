@@ -80,26 +80,19 @@ def initial_state(like: Curvature, lam: Array, damping: AbstractDamping) -> KFAC
     return KFACState(zero, zero, zero, zero, zero, _zeros(avg), _zeros(inverse))
 
 
-def _checked_traced(caller: str, decay, inverse_every, carrier: Array) -> Array:
-    """`carrier`, after checking `decay` and `inverse_every` where they are traced
-    (set through `optax.inject_hyperparams`'s state: constants are checked when
-    the optimiser is built)."""
-    where = "at every update (a value set in `optax.inject_hyperparams`'s state?)"
-    if isinstance(decay, jax.core.Tracer):
-        carrier = refused_where(
-            carrier,
-            ~((decay >= 0) & (decay < 1)),
-            f"`eqfisher.optim.{caller}(..., decay=...)`: `decay` must be in "
-            f"[0, 1) {where}.",
-        )
-    if isinstance(inverse_every, jax.core.Tracer):
-        carrier = refused_where(
-            carrier,
-            inverse_every < 1,
-            f"`eqfisher.optim.{caller}(..., inverse_every=...)`: `inverse_every` "
-            f"must be a positive integer {where}.",
-        )
-    return carrier
+def _checked_inverse_every(caller: str, inverse_every, carrier: Array) -> Array:
+    """`carrier`, after checking `inverse_every` where it is traced (set through
+    `optax.inject_hyperparams`'s state: a constant is checked when the optimiser is
+    built)."""
+    if not isinstance(inverse_every, jax.core.Tracer):
+        return carrier
+    return refused_where(
+        carrier,
+        inverse_every < 1,
+        f"`eqfisher.optim.{caller}(..., inverse_every=...)`: `inverse_every` must be "
+        "a positive integer at every update (a value set in "
+        "`optax.inject_hyperparams`'s state?).",
+    )
 
 
 def fold(
@@ -132,8 +125,9 @@ def fold(
             f"`eqfisher.optim.{caller}(...).update(..., curvature=...)`: {mismatch}."
         )
     finite = all_finite(curvature)
-    n_good = _checked_traced(
-        caller, decay, inverse_every, state.curvature_count + finite.astype(jnp.int32)
+    decay = checked_in_range(caller, "decay", decay, 0.0, 1.0)
+    n_good = _checked_inverse_every(
+        caller, inverse_every, state.curvature_count + finite.astype(jnp.int32)
     )
     # The time-varying decay makes this the bias-corrected average of each factor,
     # its weights in the curvature's precision (float64 for float64 factors).
