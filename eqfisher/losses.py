@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, Shaped
 
-from . import _compat, _refusal
+from . import _compat, _precision, _refusal
 
 
 # To pyright, `AbstractClassVar` is `typing.ClassVar`, as equinox makes it; the alias
@@ -497,7 +497,10 @@ def register_loss(
     targets = family.checked_targets(inputs, targets, mask, caller)
     mask = family.checked_mask(inputs, targets, mask, caller)
     tagged = loss_tag_p.bind(inputs, targets, mask, family=family)
-    value = jnp.sum(mask * family.per_example(tagged, targets)) / jnp.sum(mask)
+    # Both sums in float32 at least: a float16 count above 65,504 is inf.
+    wide = _precision.at_least_float32(inputs.dtype)
+    total = jnp.sum(mask * family.per_example(tagged, targets), dtype=wide)
+    value = (total / jnp.sum(mask, dtype=wide)).astype(inputs.dtype)
     return loss_value_tag_p.bind(value)
 
 

@@ -269,3 +269,58 @@ def test_graft_lengths_are_exact_for_leaves_of_awkward_sizes(dtype, large):
         np.testing.assert_allclose(
             u, d * np.linalg.norm(m) / np.linalg.norm(d), rtol=rtol, atol=0
         )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_graft_keeps_the_magnitude_in_float32_for_half_precision(dtype):
+    # Gradients of 1e-3: in float16 Adam's second moment (1e-3 * g**2) and its
+    # eps of 1e-8 underflow to zero, so Adam's own step is NaN and a graft onto
+    # it gave no step at all. The magnitude runs in float32 instead.
+    params = {"w": jnp.full((5, 3), 0.5, dtype), "b": jnp.zeros((3,), dtype)}
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 1e-3, dtype), params)
+    direction = optax.GradientTransformation(
+        lambda p: optax.EmptyState(), lambda u, s, p=None: (u, s)
+    )
+    opt = optim.graft(direction, optax.scale_by_adam())
+    state = opt.init(params)
+    for leaf in jax.tree.leaves(state.magnitude):
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            assert leaf.dtype == jnp.float32
+    updates, state = opt.update(grads, state, params)
+    for leaf in jax.tree.leaves(state.magnitude):
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            assert leaf.dtype == jnp.float32
+    wide = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    with jax.numpy_dtype_promotion("standard"):  # optax's bias correction
+        adam, _ = optax.scale_by_adam().update(wide, optax.scale_by_adam().init(wide))
+    for name in params:
+        assert updates[name].dtype == dtype
+        got = float(jnp.linalg.norm(updates[name].astype(jnp.float32)))
+        want = float(jnp.linalg.norm(adam[name]))
+        assert want > 1.0  # Adam's first step: about 1 an element
+        np.testing.assert_allclose(got, want, rtol=1e-2)
+
+
+def test_kfac_trains_a_float16_model_at_its_defaults():
+    # The default `kfac` (grafted onto Adam) on float16 parameters: it moved no
+    # parameter in 100 steps, and no counter said so.
+    x = jax.random.normal(jax.random.key(0), (64, 8))
+    y = jnp.argmax(x @ jax.random.normal(jax.random.key(1), (8, 3)), -1)
+    model = eqx.nn.MLP(
+        8, 3, 16, 1, activation=jnp.tanh, key=jax.random.key(2), dtype=jnp.float16
+    )
+    batch = (x.astype(jnp.float16), y)
+
+    def loss(model, batch):
+        return ef.softmax_cross_entropy(jax.vmap(model)(batch[0]), batch[1])
+
+    curv = ef.curvature(loss, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+    opt = optim.kfac(1e-2, like=curv)
+    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    step = optim.kfac_step(loss, opt, estimator=ef.GGN(), structure=ef.KFAC())
+    first = None
+    for i in range(30):
+        model, state, value = step(model, state, batch, jax.random.key(i))
+        first = float(value) if first is None else first
+    assert jnp.isfinite(value)
+    assert float(value) < 0.5 * first

@@ -446,7 +446,9 @@ def test_one_example_rerun_failures_say_what_happened():
     rerun = (
         r"re-ran `loss_fn` on one example.*examples=eqfisher.InteractingExamples\(\)"
     )
-    kw = dict(estimator=ef.GGN(), structure=ef.Diagonal())
+    # `Dense()` re-runs `loss_fn` per example (`Diagonal()` of an MLP takes its
+    # vectors from the main pass, below).
+    kw = dict(estimator=ef.GGN(), structure=ef.Dense())
     with pytest.raises(ValueError, match=rerun):
         ef.curvature(_hard_coded, model, (x, y), **kw)
     # The wrong example axes, with a square batch (every size agrees): the
@@ -474,6 +476,13 @@ def test_one_example_rerun_failures_say_what_happened():
     ).as_matrix()
     ref = _dense_ce(lambda m, x: jax.vmap(m)(x), model, x, y)
     np.testing.assert_allclose(exact, ref, rtol=1e-10, atol=1e-12)
+    # An MLP's dense layers applied once per example, its examples proven
+    # independent: no re-run, and the exact diagonal of what `loss_fn` computes.
+    diagonal = ef.curvature(
+        _hard_coded, model, (x, y), estimator=ef.GGN(), structure=ef.Diagonal()
+    ).diagonal()
+    got = jax.flatten_util.ravel_pytree(diagonal)[0]
+    np.testing.assert_allclose(got, np.diag(ref), rtol=1e-10, atol=1e-12)
 
 
 def _dense_ce(outputs, model, x, y):

@@ -19,6 +19,8 @@ from jax.custom_derivatives import SymbolicZero
 from jaxtyping import PyTree
 
 from .. import filters
+from .._precision import at_least_float32
+from .._refusal import refused_where
 from .._tracer import StagedLoss, split
 from ..blocks import AbstractBlock
 from . import statistics as stats
@@ -26,6 +28,8 @@ from .estimators import AbstractEstimator, loss_vectors, stacked_vectors
 from .examples import AbstractExamples, IndependentExamples
 from .main_pass import Linearised, MainPass, MainPassRows
 from .operator import Curvature, step_runs
+from .outer_rows import formed_rows, outer_factors
+from .per_example import INTERACTION
 from .structures import (
     AbstractStructure,
     Group,
@@ -175,7 +179,7 @@ class Builder(eqx.Module):
             [g for g, n in zip(grouping, needs) if n.examples and g.records],
         )
         records = [r for g, n in zip(grouping, needs) if n.kronecker for r in g.records]
-        records += [r for g in main_rows.groups for r in g.records]
+        records += [r for g in main_rows.groups + main_rows.outer for r in g.records]
         lin = stats.layer_outputs_vjp(
             processed,
             s,
@@ -201,11 +205,13 @@ class Builder(eqx.Module):
         `Curvature`."""
         grouping, needs = forward.grouping, forward.needs
         main = self._main_pass(forward, key)
-        rows = self._rows(main, grouping, needs)
+        rows, outers = self._rows(main, grouping, needs)
         steps_cache = {}
 
         def statistics(j):
-            return self._statistics(grouping[j], needs[j], main, rows, steps_cache)
+            return self._statistics(
+                grouping[j], needs[j], main, rows, outers, steps_cache
+            )
 
         blocks = self._blocks(grouping, needs, forward.processed, statistics)
         params = eqx.filter(forward.model, eqx.is_inexact_array)
@@ -225,7 +231,9 @@ class Builder(eqx.Module):
         _, cotangents = _pull_each(lin.vjp, stacked_vectors(per_loss))
         if self.estimator.splits_positions and any(v.ndim > 3 for v in per_loss):
             # An example's vectors are not its part of the batch's.
-            main_rows = MainPassRows((), main_rows.n_examples, main_rows.labels)
+            main_rows = MainPassRows(
+                n_examples=main_rows.n_examples, labels=main_rows.labels
+            )
         return MainPass(
             model=forward.model,
             batch=forward.batch,
@@ -274,14 +282,15 @@ class Builder(eqx.Module):
         return grouping, [_needs(self.structure, g, self.caller) for g in grouping]
 
     def _statistics(
-        self, g: Group, n: Needs, main: MainPass, rows, steps_cache: dict
+        self, g: Group, n: Needs, main: MainPass, rows, outers, steps_cache: dict
     ) -> Statistics:
         """One group's `Statistics`: Kronecker factors from the main pass's layer
         inputs and output cotangents, per-example vectors from `rows`, as it
         needs."""
         shape = main.processed.unit_shape(main.split.params, g.param_indices[0])
-        dtype = stats.stat_dtype(shape[1])
-        a = gg = None
+        dtype = at_least_float32(shape[1])
+        with_bias = len(g.param_indices) == 2
+        a = gg = outer = None
         if n.kronecker:
             size = main.losses[0].inputs.shape[0]
             reduce = _reduce_examples(self.structure, n, g, size, self.caller)
@@ -291,20 +300,29 @@ class Builder(eqx.Module):
                 g.records,
                 main.layer_inputs,
                 main.cotangents,
-                len(g.param_indices) == 2,
+                with_bias,
                 dtype,
                 reduce_examples=reduce,
                 max_factor_dim=n.max_factor_dim,
                 steps_cache=steps_cache,
             )
+        group_rows = None
+        if n.examples and g.name in outers:
+            outer = outers[g.name]
+            perm = g.records[0].weight_perm
+            assert perm is not None  # a dense layer's weight
+            # Formed for a structure that reads them (`Statistics.full`); XLA
+            # drops them where only `outer`'s products are used.
+            group_rows = formed_rows(outer, perm, g.shapes)
+        elif n.examples:
+            group_rows = tuple(rows[i].astype(dtype) for i in g.param_indices)
         return Statistics(
             g.shapes,
             a,
             gg,
-            g.records[0].weight_perm if n.kronecker else None,
-            tuple(rows[i].astype(dtype) for i in g.param_indices)
-            if n.examples
-            else None,
+            g.records[0].weight_perm if n.kronecker or outer is not None else None,
+            group_rows,
+            outer,
         )
 
     def _run_blocks(self, groups, statistics) -> dict[str, AbstractBlock]:
@@ -327,15 +345,28 @@ class Builder(eqx.Module):
             )
         return block
 
-    def _rows(self, main: MainPass, grouping, needs) -> dict:
-        """Per parameter number, the exact per-example vectors `(m, *shape)` of the
-        groups that need them, as the `examples` option computes them."""
+    def _rows(self, main: MainPass, grouping, needs) -> tuple[dict, dict]:
+        """`(rows, outer)`: per parameter number, the exact per-example vectors
+        `(m, *shape)` of the groups that need them, as the `examples` option
+        computes them; per group name, the factors of the groups whose vectors
+        are outer products from the main pass (`outer_rows.py`). Both refused
+        where the examples interact."""
         parts = sorted(
             {i for g, n in zip(grouping, needs) if n.examples for i in g.param_indices}
         )
         if not parts:
-            return {}
-        return self.examples.rows(self.staged, self.estimator, main, parts)
+            return {}, {}
+        rows, interact = self.examples.rows(self.staged, self.estimator, main, parts)
+        names = {g.name for g in main.main_rows.outer}
+        outer = {
+            g.name: _outer_factors(g, main)
+            for g, n in zip(grouping, needs)
+            if n.examples and g.name in names
+        }
+        if interact is None:
+            return rows, outer
+        message = f"`{self.staged.caller}`: {INTERACTION}"
+        return refused_where((rows, outer), interact, message)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -414,6 +445,15 @@ def _summed(grouping, needs) -> list:
         if n.kronecker and n.weight_sharing == "reduce"
         for r in g.records
     ]
+
+
+def _outer_factors(g: Group, main: MainPass):
+    """`outer_rows.outer_factors` of a group's one dense layer."""
+    (record,) = g.records
+    shape = main.processed.unit_shape(main.split.params, g.param_indices[0])
+    with_bias = len(g.param_indices) == 2
+    dtype = at_least_float32(shape[1])
+    return outer_factors(record, main.layer_inputs, main.cotangents, with_bias, dtype)
 
 
 def _needs(structure: AbstractStructure, g: Group, caller: str) -> Needs:

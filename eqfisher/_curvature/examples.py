@@ -9,9 +9,8 @@ from collections.abc import Sequence
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, PyTree
+from jaxtyping import Array, Bool, PyTree
 
-from .._refusal import refused_where
 from .._tracer import (
     LossProgram,
     Split,
@@ -21,8 +20,8 @@ from .._tracer import (
 )
 from .estimators import AbstractEstimator, stacked_vectors
 from .main_pass import MainPass, MainPassRows
+from .outer_rows import outer_rows_possible
 from .per_example import (
-    INTERACTION,
     example_count,
     examples_mismatch,
     main_pass_rows_possible,
@@ -103,8 +102,9 @@ class AbstractExamples(eqx.Module):
         estimator: AbstractEstimator,
         main: MainPass,
         parts: Sequence[int],
-    ) -> dict[int, Array]:
-        """The exact per-example vectors of the parameters `parts`.
+    ) -> tuple[dict[int, Array], Bool[Array, ""] | None]:
+        """The exact per-example vectors of the parameters `parts`, and the check
+        that they are exact.
 
         **Arguments:**
 
@@ -115,8 +115,14 @@ class AbstractExamples(eqx.Module):
 
         **Returns:**
 
-        Per parameter number in `parts`, vectors `(m, *shape)` whose outer
-        products sum to the exact curvature over that parameter.
+        `(rows, interact)`. `rows`: per parameter number in `parts`, vectors
+        `(m, *shape)` whose outer products sum to the exact curvature over that
+        parameter; except the parameters of `main.main_rows.outer`'s groups, whose
+        vectors the builder takes from the main pass (`outer_rows.py`).
+        `interact`: None where the examples cannot interact or are proven not
+        to, else a boolean array, true when they do (the builder then refuses
+        every statistic from per-example vectors, `main.main_rows.outer`'s
+        included).
         """
 
 
@@ -177,13 +183,20 @@ class IndependentExamples(AbstractExamples):
             return MainPassRows()
         labels = proven_labels(processed.program, s, batch, self.axis, caller)
         shifts = [g for g in groups if main_pass_rows_possible(g.records, n, labels)]
-        return MainPassRows(tuple(shifts), n, labels)
+        outer = [
+            g
+            for g in groups
+            if g.kronecker and outer_rows_possible(g.records, n, labels)
+        ]
+        return MainPassRows(tuple(shifts), tuple(outer), n, labels)
 
     def rows(self, staged, estimator, main, parts):
         processed, s = main.processed, main.split
         shifts = main.main_rows.groups
         shifted = {i for g in shifts for i in g.param_indices}
-        rest = [i for i in parts if i not in shifted]
+        # The builder forms the outer products' vectors itself (`outer_rows`).
+        outer = {i for g in main.main_rows.outer for i in g.param_indices}
+        rest = [i for i in parts if i not in shifted | outer]
         rows, mismatch = {}, None
         if rest or main.main_rows.labels is None:
             rows, mismatch = _pass_per_example(
@@ -201,10 +214,8 @@ class IndependentExamples(AbstractExamples):
                 shapes,
                 main.main_rows.labels,
             )
-        if mismatch is None:  # proven at trace time (`example_axes`)
-            return rows
-        message = f"`{staged.caller}`: {INTERACTION}"
-        return refused_where(rows, mismatch, message)
+        # None where proven at trace time (`example_axes`).
+        return rows, mismatch
 
 
 class InteractingExamples(AbstractExamples):
@@ -273,7 +284,7 @@ class InteractingExamples(AbstractExamples):
             [estimator.batch_vectors(v, self.axis) for v in main.per_loss]
         )
         p_ct, _ = jax.vmap(main.vjp)(full_vectors)
-        return _unit_rows(main.processed, parts, p_ct)
+        return _unit_rows(main.processed, parts, p_ct), None
 
 
 def _pass_per_example(staged, estimator, axis, main: MainPass, parts, rest):

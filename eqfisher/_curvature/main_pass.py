@@ -17,17 +17,20 @@ from .structures import Group, Needs
 
 class MainPassRows(eqx.Module):
     """The groups whose exact per-example vectors come from the main pass (see
-    `per_example.py`: scale-and-shift layers with independent examples).
+    `per_example.py`: scale-and-shift layers with independent examples; and
+    `outer_rows.py`: dense layers applied once to each example).
 
     **Fields:**
 
-    - `groups`: those groups; empty when none can.
+    - `groups`: the scale-and-shift groups; empty when none can.
+    - `outer`: the dense groups, whose vectors are outer products.
     - `n_examples`: the number of examples, or None where unknown.
     - `labels`: the labels of `example_axes` when they prove that the examples
       cannot interact; else None (a forward per example then checks it).
     """
 
     groups: tuple[Group, ...] = ()
+    outer: tuple[Group, ...] = ()
     n_examples: int | None = None
     labels: dict | None = None
 

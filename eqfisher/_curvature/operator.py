@@ -13,9 +13,9 @@ import lineax as lx
 import numpy as np
 from jaxtyping import Array, Float, PyTree, ScalarLike
 
+from .._precision import at_least_float32
 from ..blocks import AbstractBlock
 from ..blocks._base import register_psd_operator
-from . import statistics as stats
 from .structures import check_gib, matrix_gib
 
 
@@ -254,7 +254,7 @@ class Curvature(lx.AbstractLinearOperator):
         sizes = [math.prod(s.shape) for s in jax.tree_util.tree_leaves(self.structure)]
         offsets = np.cumsum([0] + sizes)
         # The statistics' dtype: float32 for a bfloat16 model.
-        dtype = stats.stat_dtype(
+        dtype = at_least_float32(
             jnp.result_type(
                 *[s.dtype for s in jax.tree_util.tree_leaves(self.structure)]
             )

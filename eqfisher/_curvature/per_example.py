@@ -9,6 +9,9 @@ Two ways, both checked against the examples computed alone:
   input times the output cotangent, summed over its locations, read from the
   forward and the vector pullback that K-FAC's factors use anyway.
 
+A dense layer applied once to each example takes its vectors from the main pass
+too, as outer products (`outer_rows.py`).
+
 The second needs no backward pass per example; what stays per example is a forward
 with a tangent (`examples_mismatch`) that checks the examples do not interact, the
 same check the per-example pass makes: each example's outputs computed alone, and

@@ -6,6 +6,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from .._precision import at_least_float32
 from ..losses import AbstractLossFamily
 from .layers import LayerInfo
 
@@ -42,7 +43,10 @@ class RegisteredLoss(eqx.Module):
         lanes = self.coefficient.ndim
         rest = self.mask.ndim - lanes
         axes = tuple(range(lanes, self.mask.ndim))
-        w = self.mask / jnp.sum(self.mask, axis=axes, keepdims=True)
+        # The count in float32 at least: above 65,504 it is inf in float16.
+        wide = at_least_float32(self.mask.dtype)
+        total = jnp.sum(self.mask, axis=axes, keepdims=True, dtype=wide)
+        w = (self.mask.astype(wide) / total).astype(self.mask.dtype)
         return w * self.coefficient.reshape(self.coefficient.shape + (1,) * rest)
 
     def value(self) -> Float[Array, ""]:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree, ScalarLike
 
 from .._curvature import GGN, AbstractEstimator, AbstractStructure, Curvature, curvature
+from .._precision import at_least_float32
 from .._refusal import refused_where
 from .._tracer import loss_tags_jvp
 from ..losses import Bernoulli, Categorical, Gaussian
@@ -180,6 +181,10 @@ class Laplace(eqx.Module):
             )
         leaves = jax.tree_util.tree_leaves(curvature.structure)
         dtype = jnp.result_type(*[s.dtype for s in leaves])
+        # N, δ, σ, T and the loss in at least float32, as the curvature's
+        # statistics are: in bfloat16, P log(N/σ²T) is off by several units and
+        # N above 65,504 overflows float16.
+        dtype = at_least_float32(dtype)
         # Solves, log-determinants and samples are repeated (per example, output,
         # sample, optimisation step): K-FAC's eigendecompositions are done once.
         prepared = {n: prepare_block(b) for n, b in curvature.blocks.items()}
@@ -333,7 +338,8 @@ class Laplace(eqx.Module):
         """
         values = block_values(self.curvature, self.mean, "Laplace")
         scatter = sum(
-            self.prior_precision[n] * sum(jnp.sum(jnp.square(x)) for x in v)
+            self.prior_precision[n]
+            * sum(jnp.sum(jnp.square(x.astype(self.loss.dtype))) for x in v)
             for n, v in values.items()
         )
         log_det_prior = sum(
@@ -511,7 +517,10 @@ def fit(
         curv,
         model,
         loss=registered.value(),
-        num_data=jnp.sum(registered.mask),
+        # Counted in float32 at least: above 65,504 a float16 count is inf.
+        num_data=jnp.sum(
+            registered.mask, dtype=at_least_float32(registered.mask.dtype)
+        ),
         likelihood=likelihood,
         prior_precision=prior_precision,
         noise_std=noise_std,

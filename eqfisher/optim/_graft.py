@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import PyTree
 
-from ._state import all_finite, float_type, sum_squares, where_tree
+from ._state import all_finite, float_type, sum_squares, where_tree, widened
 
 
 class GraftState(NamedTuple):
@@ -51,6 +51,9 @@ def graft(
     curvature received yet) gets no step, and one whose magnitude is not finite
     gets none either; a direction holding NaN or inf in any leaf gives no step
     at all; gradients holding NaN or inf leave the magnitude's state as it was.
+    `magnitude` sees float16 and bfloat16 parameters and gradients in float32
+    (in float16, Adam's second moment and `eps` underflow to zero), and keeps its
+    state in float32 for them; the update is in each leaf's own dtype.
 
     **Arguments:**
 
@@ -79,14 +82,16 @@ def graft(
     """
 
     def init(params):
-        return GraftState(direction.init(params), magnitude.init(params))
+        return GraftState(direction.init(params), magnitude.init(widened(params)))
 
     def update(updates, state, params=None, **extra):
         d, d_state = direction.update(updates, state.direction, params, **extra)
         # optax's own transformations (`scale_by_adam`'s bias correction) mix
         # Python floats with integer counts, which strict dtype promotion refuses.
         with jax.numpy_dtype_promotion("standard"):
-            m, m_state = magnitude.update(updates, state.magnitude, params)
+            m, m_state = magnitude.update(
+                widened(updates), state.magnitude, widened(params)
+            )
 
         d_leaves, treedef = jax.tree_util.tree_flatten(d)
         # Raises when the two transformations' updates differ in structure.

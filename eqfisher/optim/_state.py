@@ -13,6 +13,7 @@ import optax
 from jaxtyping import Array, Float, Int, PyTree
 
 from .._curvature import Curvature
+from .._precision import at_least_float32
 from .._refusal import refused_where
 from ._damping import FactoredTikhonov
 
@@ -256,6 +257,19 @@ def float_type(leaves: Sequence[Array]) -> type:
     keeps NaN and inf."""
     widest = max(jnp.dtype(x.dtype).itemsize for x in leaves)
     return jnp.float64 if widest >= 8 else jnp.float32
+
+
+def widened(tree: PyTree) -> PyTree:
+    """`tree` with its float16 and bfloat16 leaves cast to float32, the rest as
+    they are. (Adam's second moment of a float16 gradient underflows to zero, and
+    its `eps` of 1e-8 with it.)"""
+
+    def widen(x):
+        if eqx.is_inexact_array(x):
+            return x.astype(at_least_float32(x.dtype))
+        return x
+
+    return jax.tree_util.tree_map(widen, tree)
 
 
 # `all_finite` reduces a leaf of more elements than this by itself: the

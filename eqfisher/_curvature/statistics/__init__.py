@@ -21,7 +21,10 @@ This face re-exports what the rest of eqfisher uses.
 """
 
 from . import convolution as convolution  # registers the convolution's inputs
-from .factors import kronecker_factors as kronecker_factors
+from .factors import (
+    kronecker_factors as kronecker_factors,
+    output_matrix as output_matrix,
+)
 from .forward import (
     LayerInputs as LayerInputs,
     LayerOutputsVjp as LayerOutputsVjp,
@@ -32,7 +35,7 @@ from .forward import (
 from .inputs import (
     JOIN_ROWS_PER_COLUMN as JOIN_ROWS_PER_COLUMN,
     layer_inputs as layer_inputs,
-    stat_dtype as stat_dtype,
+    location_count as location_count,
     unsupported as unsupported,
 )
 from .patches import conv_patches as conv_patches

@@ -12,6 +12,7 @@ from jaxtyping import Array
 
 from ... import _compat
 from ..._config import current_config
+from ..._precision import at_least_float32
 from ..._tracer import ConvKind, LayerRecord
 from .inputs import (
     AbstractLayerInputs,
@@ -19,7 +20,6 @@ from .inputs import (
     layer_inputs,
     mean_rows,
     moments_of,
-    stat_dtype,
 )
 from .patches import conv_patches
 
@@ -58,6 +58,11 @@ class _ConvInputs(AbstractLayerInputs):
             return second, rows
         a = _patches(record, x).astype(dtype)
         return moments_of(mean_rows(a, reduce_examples), diagonal, with_bias)
+
+    # Patches: rows of the kind asked, but a layer applied at one location per
+    # example is rare; not formed here.
+    def input_rows(self, record, x):
+        return None
 
     # Its rows are patches of each step's input, formed before any averaging.
     def stacked(self, record):
@@ -111,7 +116,7 @@ def _chunked_patches(
     x = jnp.pad(x, [(0, chunks * chunk - n)] + [(0, 0)] * (x.ndim - 1))
     xs = x.reshape((chunks, chunk) + x.shape[1:])
     d = record.d_in
-    dtype = stat_dtype(x.dtype)
+    dtype = at_least_float32(x.dtype)
 
     def body(carry, xc):
         a = _patches(record, jnp.moveaxis(xc, 0, axis)).astype(dtype)

@@ -5,8 +5,9 @@ and G from its output cotangents.
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from ..._precision import at_least_float32
 from ..._tracer import LayerRecord
-from .inputs import layer_inputs, stat_dtype
+from .inputs import layer_inputs
 
 
 def output_matrix(record: LayerRecord, g: Array) -> Array:
@@ -14,7 +15,9 @@ def output_matrix(record: LayerRecord, g: Array) -> Array:
     lead = g.ndim - len(record.out_order)
     perm = tuple(range(lead)) + tuple(lead + i for i in record.out_order)
     g = jnp.transpose(g, perm)
-    return g.reshape(g.shape[:lead] + (-1, record.d_out)).astype(stat_dtype(g.dtype))
+    return g.reshape(g.shape[:lead] + (-1, record.d_out)).astype(
+        at_least_float32(g.dtype)
+    )
 
 
 def kronecker_factors(
@@ -80,7 +83,7 @@ def input_factor(
         record,
         x,
         reduce_examples,
-        stat_dtype(x.dtype) if inexact else dtype,
+        at_least_float32(x.dtype) if inexact else dtype,
         diagonal,
         with_bias,
     )

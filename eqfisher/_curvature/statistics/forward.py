@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
+from ..._precision import at_least_float32
 from ..._tracer import (
     Const,
     LayerRecord,
@@ -23,7 +24,7 @@ from ..._tracer import (
     mean_over,
     points,
 )
-from .inputs import layer_inputs, location_count, stat_dtype
+from .inputs import layer_inputs, location_count
 
 
 def example_axis_size(record: LayerRecord) -> int:
@@ -93,7 +94,7 @@ def per_example_taps(
         inputs = _point(r.inputs) if isinstance(r.inputs, PVar) else r.inputs
         key = (id(point), id(inputs), r.kind, r.out_order, r.in_order, r.d_out)
         if id(r) in ok and key not in known:
-            summed, read = stat_dtype(out) == out, isinstance(r.inputs, PVar)
+            summed, read = at_least_float32(out) == out, isinstance(r.inputs, PVar)
             known[key] = (
                 _summed_shape(r) if summed else None,
                 layer_inputs(r.kind).mean_axes(r) if read else None,

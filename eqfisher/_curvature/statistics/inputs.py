@@ -24,11 +24,6 @@ from ..._tracer import (
 )
 
 
-def stat_dtype(dtype) -> jnp.dtype:
-    """Statistics accumulate in at least float32 (bfloat16 models too)."""
-    return jnp.dtype(jnp.float32) if jnp.finfo(dtype).bits < 32 else jnp.dtype(dtype)
-
-
 class AbstractLayerInputs(eqx.Module):
     """What K-FAC's input factor A is for one layer kind."""
 
@@ -50,6 +45,13 @@ class AbstractLayerInputs(eqx.Module):
         """`(Σ ã ãᵀ, rows)` over the layer's input rows `a` (each example's mean
         row with `reduce_examples`), `ã = [a; 1]` with `with_bias` and `a`
         without; with `diagonal`, only the diagonal of Σ ã ãᵀ, as a vector."""
+
+    @abc.abstractmethod
+    def input_rows(self, record: LayerRecord, x: Array) -> Array | None:
+        """The layer's input as rows `(locations, d_in)`, in the order of its
+        output's locations (`record.out_order`), each one's outer product with the
+        output cotangent at its location being the weight's gradient there (in the
+        weight's matrix view); None for a kind whose inputs are not such rows."""
 
     @abc.abstractmethod
     def stacked(self, record: LayerRecord) -> LayerRecord | None:
@@ -116,9 +118,11 @@ class _DenseInputs(AbstractLayerInputs):
         return None
 
     def moments(self, record, x, reduce_examples, dtype, diagonal, with_bias):
-        a = jnp.transpose(x, record.in_order).reshape(-1, record.d_in)
-        a = mean_rows(a.astype(dtype), reduce_examples)
+        a = mean_rows(self.input_rows(record, x).astype(dtype), reduce_examples)
         return moments_of(a, diagonal, with_bias)
+
+    def input_rows(self, record, x):
+        return jnp.transpose(x, record.in_order).reshape(-1, record.d_in)
 
     def stacked(self, record):
         order = (0,) + tuple(1 + i for i in record.in_order)
@@ -149,6 +153,10 @@ class _EmbeddingInputs(AbstractLayerInputs):
         if with_bias:
             second = joined(second, counts, ids.shape[0], diagonal)
         return second, ids.shape[0]
+
+    # One-hot rows as wide as the vocabulary: not formed.
+    def input_rows(self, record, x):
+        return None
 
     # The row ids `x[..., c]` are read alike under any leading axes; ids are not
     # averaged.

@@ -23,7 +23,7 @@ from ...blocks import (
     KroneckerFactored,
     ekfac_from_kronecker,
 )
-from ...blocks._layout import to_matrix
+from ...blocks._layout import from_matrix, to_matrix
 
 
 # To pyright, `AbstractClassVar` is `typing.ClassVar`, as equinox makes it; the alias
@@ -192,6 +192,12 @@ class Statistics(eqx.Module):
       (see `eqfisher.blocks.KroneckerFactored`).
     - `rows`: per operand leaf, the per-example vectors `(m, *leaf.shape)`: the
       curvature block is $\sum_i u_i u_i^\top$ over the ravelled rows $u_i$.
+    - `outer`: for a dense layer applied once to each example, the same vectors
+      as outer products, `(ã, c)`: each example's input row `(N, d_in')` (with a
+      bias, a 1 last) and its output cotangents `(N, K, d_out)`; example n's
+      vectors are $c_{nk} \tilde a_n^\top$ in the weight's matrix view (see
+      `weight_perm`). `diagonal` and `eigen_kronecker` then need only products
+      of these, not the N·K formed `rows`. None for other layers.
 
     !!! Example
 
@@ -231,6 +237,7 @@ class Statistics(eqx.Module):
     g: Float[Array, "d_out d_out"] | Float[Array, " d_out"] | None = None
     weight_perm: tuple[int, ...] | None = eqx.field(static=True, default=None)
     rows: tuple[Float[Array, "m ..."], ...] | None = None
+    outer: tuple[Float[Array, "n d_in"], Float[Array, "n k d_out"]] | None = None
 
     def _rows(self, method: str) -> tuple[Array, ...]:
         if self.rows is None:
@@ -257,6 +264,12 @@ class Statistics(eqx.Module):
 
     def diagonal(self) -> DiagonalBlock:
         """The exact diagonal of the block, from the per-example vectors."""
+        if self.outer is not None:
+            # Σ_nk (c_nk ã_nᵀ)², elementwise: (Σ_k c_nk²)ᵀ ã_n², summed over n.
+            a, c = self.outer
+            assert self.weight_perm is not None  # set with `outer`
+            matrix = jnp.sum(c**2, axis=1).T @ a**2
+            return DiagonalBlock(from_matrix(matrix, self.weight_perm, self.shapes))
         return DiagonalBlock(
             tuple(jnp.sum(r**2, axis=0) for r in self._rows("diagonal"))
         )
@@ -272,12 +285,26 @@ class Statistics(eqx.Module):
     def eigen_kronecker(self) -> EigenKroneckerFactored:
         """The EKFAC block: K-FAC's eigenbases with the exact diagonal of the block in
         that basis (from the per-example vectors)."""
+        if self.outer is not None:
+            return self._eigen_kronecker_outer(self.outer)
         rows = self._rows("eigen_kronecker")
         d_out = self._factors("eigen_kronecker")[1].shape[0]
         perm = self.weight_perm
         assert perm is not None  # set with the factors
         mats = jax.vmap(lambda *v: to_matrix(v, perm, d_out))(*rows)
         return ekfac_from_kronecker(self.kronecker(), mats)
+
+    def _eigen_kronecker_outer(self, outer: tuple[Array, Array]):
+        # The scales Σ_nk (Q_Gᵀ c_nk ã_nᵀ Q_A)², as `ekfac_from_kronecker` takes
+        # them from formed vectors: (Σ_k (c_nk Q_G)²)ᵀ (ã_n Q_A)², summed over n.
+        block = self.kronecker().precompute()
+        assert block.a_eig is not None and block.g_eig is not None
+        q_a, q_g = block.a_eig[1], block.g_eig[1]
+        a, c = (x.astype(q_a.dtype) for x in outer)
+        scales = jnp.sum((c @ q_g) ** 2, axis=1).T @ (a @ q_a) ** 2
+        return EigenKroneckerFactored(
+            q_a, q_g, scales, weight_perm=block.weight_perm, structure=block.structure
+        )
 
 
 class AbstractStructure(eqx.Module):
