@@ -14,6 +14,9 @@ gradients (benchmarks/RESULTS.md, "Issue 26, twenty-seventh session").
     python benchmarks/exact_diagonal_cost.py
     OPENBLAS_NUM_THREADS=1 python benchmarks/exact_diagonal_cost.py
     python benchmarks/exact_diagonal_cost.py --sizes 256x64   # one configuration
+
+Then a deep MLP whose stacked blocks are applied by `lax.scan` (`--scanned
+DEPTHxWIDTHxBATCH`, default 64x64x128): every step's factors are read at once.
 """
 
 import argparse
@@ -51,8 +54,32 @@ def scratch_gib(fn, *args) -> float:
     return analysis.temp_size_in_bytes / 2**30
 
 
-def run(width: int, n: int) -> None:
-    model = eqx.nn.MLP(512, 10, width, 1, activation=jnp.tanh, key=jax.random.key(0))
+class ScannedMLP(eqx.Module):
+    """`depth` stacked tanh layers of `width`, applied by `lax.scan`."""
+
+    inner: eqx.nn.Linear
+    blocks: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, depth: int, width: int, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.inner = eqx.nn.Linear(512, width, key=k1)
+        self.blocks = eqx.filter_vmap(lambda k: eqx.nn.Linear(width, width, key=k))(
+            jax.random.split(k2, depth)
+        )
+        self.head = eqx.nn.Linear(width, 10, key=k3)
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def step(h, p):
+            return jnp.tanh(eqx.combine(p, static)(h)), None
+
+        h, _ = jax.lax.scan(step, jnp.tanh(self.inner(x)), params)
+        return self.head(h)
+
+
+def run(model, n: int, name: str) -> None:
     x = jax.random.normal(jax.random.key(1), (n, 512))
     y = jnp.arange(n) % 10
     batch = (x, y)
@@ -62,8 +89,7 @@ def run(width: int, n: int) -> None:
     grad = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
     _, unit = timed(grad, model, batch)
     print(
-        f"512-{width}-10 MLP, P = {params:,}, batch {n}: value_and_grad "
-        f"{1e3 * unit:.2f} ms",
+        f"{name}, P = {params:,}, batch {n}: value_and_grad {1e3 * unit:.2f} ms",
         flush=True,
     )
     for name, structure in [
@@ -95,11 +121,17 @@ def main() -> None:
         default=["256x64", "256x256", "1024x256"],
         help="width x batch",
     )
+    parser.add_argument("--scanned", default="64x64x128", help="depth x width x batch")
     args = parser.parse_args()
     print(f"jax {jax.__version__}, {jax.default_backend()}")
+    key = jax.random.key(0)
     for size in args.sizes:
         width, n = (int(v) for v in size.split("x"))
-        run(width, n)
+        model = eqx.nn.MLP(512, 10, width, 1, activation=jnp.tanh, key=key)
+        run(model, n, f"512-{width}-10 MLP")
+    depth, width, n = (int(v) for v in args.scanned.split("x"))
+    model = ScannedMLP(depth, width, key)
+    run(model, n, f"scanned MLP, {depth} blocks of {width}")
 
 
 if __name__ == "__main__":

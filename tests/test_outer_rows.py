@@ -73,9 +73,36 @@ class OverPositions(eqx.Module):
         return self.head(jnp.mean(jnp.tanh(jax.vmap(self.inner)(x)), axis=0))
 
 
+class Scanned(eqx.Module):
+    """Three stacked dense layers applied by `lax.scan` (each step its own)."""
+
+    inner: eqx.nn.Linear
+    blocks: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jr.split(key, 3)
+        self.inner = eqx.nn.Linear(4, 5, key=k1)
+        self.blocks = eqx.filter_vmap(lambda k: eqx.nn.Linear(5, 5, key=k))(
+            jr.split(k2, 3)
+        )
+        self.head = eqx.nn.Linear(5, 3, key=k3)
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def step(h, p):
+            return jnp.tanh(eqx.combine(p, static)(h)), None
+
+        h, _ = jax.lax.scan(step, jnp.tanh(self.inner(x)), params)
+        return self.head(h)
+
+
 def _model(name, use_bias=True):
     key = jr.key(0)
-    if name == "mlp":
+    if name == "scanned":
+        model = Scanned(key)
+    elif name == "mlp":
         model = eqx.nn.MLP(
             4,
             3,
@@ -108,7 +135,13 @@ def _diagonal(curv) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "name, use_bias",
-    [("mlp", True), ("mlp", False), ("twice", True), ("positions", True)],
+    [
+        ("mlp", True),
+        ("mlp", False),
+        ("scanned", True),
+        ("twice", True),
+        ("positions", True),
+    ],
 )
 def test_diagonal_equals_the_dense_ggn(name, use_bias):
     model, (x, y) = _model(name, use_bias)
@@ -153,6 +186,24 @@ def _ekfac_scales_reference(ref, ekfac_block, idx, d_out, d_in, bias):
     b_vec[np.ix_(order, order)] = b_ravel
     q = np.kron(np.asarray(ekfac_block.q_g), np.asarray(ekfac_block.q_a))
     return np.diag(q.T @ b_vec @ q).reshape(ekfac_block.scales.shape)
+
+
+def test_ekfac_of_scanned_layers_has_the_exact_trace():
+    # EKFAC's scales are the exact diagonal in K-FAC's eigenbasis, so each block's
+    # trace is the exact GGN block's (the scan's steps, from every step's factors
+    # at once).
+    model, (x, y) = _model("scanned")
+    ref = dense_ggn(lambda m: jax.vmap(m)(x), _ce(y), model)
+    curv = ef.curvature(_loss, model, (x, y), estimator=ef.GGN(), structure=ef.EKFAC())
+    exact = ef.curvature(
+        _loss, model, (x, y), estimator=ef.GGN(), structure=ef.BlockDiagonal()
+    )
+    assert len(curv.blocks) == len(exact.blocks) == 5  # inner, 3 steps, head
+    for name, block in curv.blocks.items():
+        np.testing.assert_allclose(
+            block.trace(), exact.blocks[name].trace(), rtol=1e-10
+        )
+    np.testing.assert_allclose(curv.trace(), np.trace(ref), rtol=1e-10)
 
 
 @pytest.mark.parametrize("use_bias", [True, False])
@@ -203,7 +254,8 @@ def test_only_the_weights_selected():
 
 
 @pytest.mark.parametrize(
-    "name, outer", [("mlp", True), ("twice", False), ("positions", False)]
+    "name, outer",
+    [("mlp", True), ("scanned", True), ("twice", False), ("positions", False)],
 )
 def test_which_layers_skip_the_pass_per_example(monkeypatch, name, outer):
     # The MLP's dense layers take their vectors from the main pass: the pass per

@@ -205,8 +205,8 @@ class Builder(eqx.Module):
         `Curvature`."""
         grouping, needs = forward.grouping, forward.needs
         main = self._main_pass(forward, key)
-        rows, outers = self._rows(main, grouping, needs)
         steps_cache = {}
+        rows, outers = self._rows(main, grouping, needs, steps_cache)
 
         def statistics(j):
             return self._statistics(
@@ -345,7 +345,9 @@ class Builder(eqx.Module):
             )
         return block
 
-    def _rows(self, main: MainPass, grouping, needs) -> tuple[dict, dict]:
+    def _rows(
+        self, main: MainPass, grouping, needs, steps_cache: dict
+    ) -> tuple[dict, dict]:
         """`(rows, outer)`: per parameter number, the exact per-example vectors
         `(m, *shape)` of the groups that need them, as the `examples` option
         computes them; per group name, the factors of the groups whose vectors
@@ -359,7 +361,7 @@ class Builder(eqx.Module):
         rows, interact = self.examples.rows(self.staged, self.estimator, main, parts)
         names = {g.name for g in main.main_rows.outer}
         outer = {
-            g.name: _outer_factors(g, main)
+            g.name: _outer_factors(g, main, steps_cache)
             for g, n in zip(grouping, needs)
             if n.examples and g.name in names
         }
@@ -447,13 +449,15 @@ def _summed(grouping, needs) -> list:
     ]
 
 
-def _outer_factors(g: Group, main: MainPass):
+def _outer_factors(g: Group, main: MainPass, steps_cache: dict):
     """`outer_rows.outer_factors` of a group's one dense layer."""
     (record,) = g.records
     shape = main.processed.unit_shape(main.split.params, g.param_indices[0])
     with_bias = len(g.param_indices) == 2
     dtype = at_least_float32(shape[1])
-    return outer_factors(record, main.layer_inputs, main.cotangents, with_bias, dtype)
+    return outer_factors(
+        record, main.layer_inputs, main.cotangents, with_bias, dtype, steps_cache
+    )
 
 
 def _needs(structure: AbstractStructure, g: Group, caller: str) -> Needs:

@@ -36,14 +36,14 @@ def outer_rows_possible(
 ) -> bool:
     """Whether a group's per-example vectors are outer products from the main
     pass: one use of a layer whose inputs are rows (`input_rows`: a dense layer),
-    outside a kept scan, with one location per example on its input and output;
-    with `labels` (`example_axes.proven_labels`), that location is the proven
-    example axis."""
+    outside kept scans or at one step of one, with one location per example on
+    its input and output; with `labels` (`example_axes.proven_labels`), that
+    location is the proven example axis."""
     if n is None or len(records) != 1:
         return False
     (r,) = records
     x, y = r.inputs, r.outputs
-    if not isinstance(x, PVar) or isinstance(x, StepVar) or isinstance(y, StepVar):
+    if not isinstance(x, PVar) or isinstance(x, StepVar) != isinstance(y, StepVar):
         return False
     rows = jax.eval_shape(lambda v: stats.layer_inputs(r.kind).input_rows(r, v), x.aval)
     if rows is None:
@@ -65,17 +65,38 @@ def outer_factors(
     cotangents: VarMap,
     with_bias: bool,
     dtype,
+    steps_cache: dict,
 ) -> tuple[Float[Array, "n d_in"], Float[Array, "n k d_out"]]:
     r"""`(ã, c)`: each example's input row `(N, d_in')` (a column of ones last with
     the bias) and its output cotangents of the K vectors `(N, K, d_out)`; the
-    example's vectors are $c_{nk} \tilde a_n^\top$ in the weight's matrix view."""
-    x = inputs[inputs.layers.index(record)]
+    example's vectors are $c_{nk} \tilde a_n^\top$ in the weight's matrix view.
+
+    A use at one step of a kept scan is read from the factors of every step,
+    computed at once from the scan's stacked values the first time one of its
+    steps is asked for and kept in `steps_cache` (a dict shared by the calls for
+    one curvature), as `statistics.pooled_factors` does for K-FAC's."""
+    if not isinstance(record.inputs, StepVar):
+        x = inputs[inputs.layers.index(record)]
+        return _factors(record, x, cotangents[record.outputs], with_bias, dtype)
+    stacked_in, stacked_out = record.inputs.stacked, record.outputs.stacked  # pyright: ignore[reportAttributeAccessIssue]
+    key = ("outer", id(stacked_in), id(stacked_out), with_bias, jnp.dtype(dtype))
+    if key not in steps_cache:
+        steps_cache[key] = jax.vmap(
+            lambda x, ct: _factors(record, x, ct, with_bias, dtype), in_axes=(0, 1)
+        )(inputs.values[stacked_in], cotangents[stacked_out])
+    a, c = steps_cache[key]
+    step = record.outputs.step  # pyright: ignore[reportAttributeAccessIssue]
+    return a[step], c[step]
+
+
+def _factors(record: LayerRecord, x: Array, ct: Array, with_bias: bool, dtype):
+    """`outer_factors` from the layer's input `x` and output cotangents `ct`."""
     a = stats.layer_inputs(record.kind).input_rows(record, x)
     assert a is not None  # `outer_rows_possible`
     a = a.astype(dtype)
     if with_bias:
         a = jnp.concatenate([a, jnp.ones((a.shape[0], 1), dtype)], axis=1)
-    c = stats.output_matrix(record, cotangents[record.outputs]).astype(dtype)
+    c = stats.output_matrix(record, ct).astype(dtype)
     return a, jnp.swapaxes(c, 0, 1)
 
 
