@@ -22,7 +22,7 @@ from jax.flatten_util import ravel_pytree
 import eqfisher as ef
 from eqfisher._curvature import examples as examples_module
 
-from .helpers import dense_empirical_fisher, dense_ggn, perturbed
+from .helpers import dense_empirical_fisher, dense_ggn_cross_entropy, perturbed
 
 
 F64 = jnp.float64
@@ -33,14 +33,6 @@ def _f64(tree):
     return jax.tree_util.tree_map(
         lambda x: x.astype(F64) if eqx.is_inexact_array(x) else x, tree
     )
-
-
-def _ce(labels):
-    def loss(out):
-        onehot = jax.nn.one_hot(labels, out.shape[-1], dtype=out.dtype)
-        return -jnp.mean(jnp.sum(onehot * jax.nn.log_softmax(out), axis=-1))
-
-    return loss
 
 
 class Twice(eqx.Module):
@@ -145,7 +137,7 @@ def _diagonal(curv) -> np.ndarray:
 )
 def test_diagonal_equals_the_dense_ggn(name, use_bias):
     model, (x, y) = _model(name, use_bias)
-    ref = dense_ggn(lambda m: jax.vmap(m)(x), _ce(y), model)
+    ref = dense_ggn_cross_entropy(model, x, y)
     curv = ef.curvature(
         _loss, model, (x, y), estimator=ef.GGN(), structure=ef.Diagonal()
     )
@@ -193,7 +185,7 @@ def test_ekfac_of_scanned_layers_has_the_exact_trace():
     # trace is the exact GGN block's (the scan's steps, from every step's factors
     # at once).
     model, (x, y) = _model("scanned")
-    ref = dense_ggn(lambda m: jax.vmap(m)(x), _ce(y), model)
+    ref = dense_ggn_cross_entropy(model, x, y)
     curv = ef.curvature(_loss, model, (x, y), estimator=ef.GGN(), structure=ef.EKFAC())
     exact = ef.curvature(
         _loss, model, (x, y), estimator=ef.GGN(), structure=ef.BlockDiagonal()
@@ -213,7 +205,7 @@ def test_ekfac_scales_are_the_dense_ggn_in_the_kfac_eigenbasis(
     use_bias, sharing, estimator
 ):
     model, (x, y) = _model("mlp", use_bias)
-    ref = dense_ggn(lambda m: jax.vmap(m)(x), _ce(y), model)
+    ref = dense_ggn_cross_entropy(model, x, y)
     curv = ef.curvature(
         _loss,
         model,
@@ -240,7 +232,7 @@ def test_only_the_weights_selected():
     # `where` selects each layer's weight: the vectors lose the bias's column.
     model, (x, y) = _model("mlp")
     where = ef.filters.by_path("*weight")
-    ref = dense_ggn(lambda m: jax.vmap(m)(x), _ce(y), model)
+    ref = dense_ggn_cross_entropy(model, x, y)
     curv = ef.curvature(
         _loss, model, (x, y), estimator=ef.GGN(), structure=ef.Diagonal(), where=where
     )

@@ -287,9 +287,7 @@ class Builder(eqx.Module):
         """One group's `Statistics`: Kronecker factors from the main pass's layer
         inputs and output cotangents, per-example vectors from `rows`, as it
         needs."""
-        shape = main.processed.unit_shape(main.split.params, g.param_indices[0])
-        dtype = at_least_float32(shape[1])
-        with_bias = len(g.param_indices) == 2
+        dtype, with_bias = _dtype_and_bias(g, main)
         a = gg = outer = None
         if n.kronecker:
             size = main.losses[0].inputs.shape[0]
@@ -449,12 +447,17 @@ def _summed(grouping, needs) -> list:
     ]
 
 
+def _dtype_and_bias(g: Group, main: MainPass):
+    """A group's statistics dtype (at least float32) and whether it holds a
+    layer's bias beside its weight."""
+    shape = main.processed.unit_shape(main.split.params, g.param_indices[0])
+    return at_least_float32(shape[1]), len(g.param_indices) == 2
+
+
 def _outer_factors(g: Group, main: MainPass, steps_cache: dict):
     """`outer_rows.outer_factors` of a group's one dense layer."""
     (record,) = g.records
-    shape = main.processed.unit_shape(main.split.params, g.param_indices[0])
-    with_bias = len(g.param_indices) == 2
-    dtype = at_least_float32(shape[1])
+    dtype, with_bias = _dtype_and_bias(g, main)
     return outer_factors(
         record, main.layer_inputs, main.cotangents, with_bias, dtype, steps_cache
     )
