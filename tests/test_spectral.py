@@ -539,3 +539,22 @@ def test_docs_example_runs():
         np.isfinite(scope["values"][0]) and scope["values"][0] <= scope["high"] + 1e-4
     )
     assert scope["grid"].shape == scope["log_density"].shape == (1024,)
+
+
+def test_rademacher_vectors_are_independent_fair_signs():
+    """The signs come 32 to a random word: every entry ±1, each fair, and entries
+    of one word, of neighbouring words and of different vectors uncorrelated."""
+    from eqfisher.spectral._flat import random_vectors
+
+    w = np.asarray(random_vectors(jr.key(3), 100, 2000, "rademacher", jnp.float64))
+    assert w.shape == (100, 2000)
+    assert set(np.unique(w)) == {-1.0, 1.0}
+    # 2,000 signs per row: a fair coin's mean has standard deviation 0.022.
+    assert np.abs(w.mean(axis=1)).max() < 0.11
+    flat = w.reshape(-1)
+    for lag in (1, 31, 32, 33, 2000):  # within a word, across words, across vectors
+        corr = np.mean(flat[:-lag] * flat[lag:])
+        assert abs(corr) < 0.02, (lag, corr)  # standard deviation 0.0022
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        v = random_vectors(jr.key(0), 7, 3, "rademacher", dtype)
+        assert v.dtype == dtype and v.shape == (7, 3)
