@@ -9,6 +9,7 @@ row-major vec of M.
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
@@ -65,7 +66,19 @@ def to_matrix(
     weight = jnp.transpose(vector[0], weight_perm).reshape(d_out, -1)
     if len(vector) == 1:
         return weight
-    return jnp.concatenate([weight, vector[1].reshape(d_out, 1)], axis=1)
+    # [W b] as a select of two padded arrays, not a concatenation: XLA:CPU fuses
+    # the select into a kernel it compiles once for all layers of one shape, where
+    # each `concatenate` is a kernel of its own (an unrolled 32-layer MLP's K-FAC
+    # step: XLA compile 1.71 -> 1.49 s on jax 0.12; benchmarks/RESULTS.md, "Issue
+    # 26, twenty-eighth session").
+    d_in = weight.shape[1]
+    bias = vector[1].reshape(d_out, 1)
+    column = jax.lax.broadcasted_iota(jnp.int32, (d_out, d_in + 1), 1)
+    return jnp.where(
+        column < d_in,
+        jnp.pad(weight, ((0, 0), (0, 1))),
+        jnp.pad(bias, ((0, 0), (d_in, 0))),
+    )
 
 
 def from_matrix(
