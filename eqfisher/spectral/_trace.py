@@ -298,7 +298,8 @@ def trace(
     - `key`: a PRNG key for the random vectors.
     - `batch_size`: `None` (default) applies the operator to all vectors in one
       `jax.vmap`; an integer applies it to that many at a time (`jax.lax.map`), to
-      bound memory.
+      bound memory (on the CPU, also the faster for models of some 10⁵ parameters
+      and more: docs/spectral.md).
 
     **Returns:**
 
