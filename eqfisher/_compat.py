@@ -10,7 +10,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.extend as jex
+import jax.numpy as jnp
 import jaxlib.version
+import numpy as np
 from jax._src import core as jax_core, traceback_util
 from jax.interpreters import ad, batching, mlir
 
@@ -242,6 +244,21 @@ def is_literal(atom: Any) -> bool:
 
 def literal_value(atom: Any) -> Any:
     return atom.val
+
+
+def constant_output(value: Any, aval: Any) -> Any:
+    """A constant output of a traced function as `jax.jit` returns it: an array of
+    the output's dtype, weakly typed where the output is. A jaxpr's literal holds
+    a Python scalar (`bool`, jax's `TypedFloat`, ...): returned as it is, it would
+    be a static value to `eqx.filter_jit` and a new compile whenever it is passed
+    back in (a BatchNorm state's flag). `jnp.asarray` of a Python scalar is weakly
+    typed, of anything with a dtype not."""
+    if getattr(aval, "weak_type", False) and np.ndim(value) == 0:
+        kind = {"b": bool, "i": int, "u": int, "f": float, "c": complex}
+        scalar = jnp.asarray(kind[np.dtype(aval.dtype).kind](value))
+        if scalar.dtype == aval.dtype:
+            return scalar
+    return jnp.asarray(value, dtype=aval.dtype)
 
 
 def eqn_evaluator(eqn: JaxprEqn) -> Callable[..., list[Any]]:

@@ -6,6 +6,7 @@ ravelled parameters by `jax.hessian`, and the empirical Fisher from
 `jax.vmap(jax.grad(...))`.
 """
 
+import logging
 from collections.abc import Callable
 
 import equinox as eqx
@@ -100,3 +101,19 @@ def perturbed(model, key, scale=0.3):
         x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)
     ]
     return eqx.combine(jax.tree_util.tree_unflatten(tree, leaves), model)
+
+
+def compiled_during(call) -> list[str]:
+    """The messages of the compilations that `call()` (results waited for) ran:
+    `jax.log_compiles`' records, caught from the "jax" logger."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles():
+            jax.block_until_ready(jax.tree_util.tree_leaves(call()))
+    finally:
+        logger.removeHandler(handler)
+    return [r.getMessage() for r in records if "Compiling" in r.getMessage()]

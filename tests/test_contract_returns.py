@@ -9,7 +9,7 @@ import pytest
 
 import eqfisher as ef
 
-from .helpers import dense_ggn
+from .helpers import compiled_during, dense_ggn
 
 
 def _setup():
@@ -89,6 +89,51 @@ def test_has_aux_returns_aux_and_the_exact_curvature():
         model,
     )
     np.testing.assert_allclose(curv.as_matrix(), ref, rtol=1e-10, atol=1e-12)
+
+
+def _constants(m, b):
+    # Constants a `loss_fn` returns in its aux: a BatchNorm state's flag
+    # (`jnp.array(False)`), weakly typed scalars, and arrays of a given dtype.
+    aux = {
+        "flag": jnp.array(False),
+        "half": jnp.array(0.5),
+        "three": jnp.asarray(3),
+        "zero": jnp.zeros(()),
+        "two": jnp.array(2.0, jnp.float32),
+        "row": jnp.ones(3, jnp.int32),
+    }
+    return _loss(m, b), aux
+
+
+def _signature(tree):
+    return jax.tree.map(lambda x: (type(x).__name__, x.dtype, x.weak_type), tree)
+
+
+def test_constant_aux_comes_back_as_jit_returns_it():
+    """Constant outputs are arrays of their dtype and weak type, as from
+    `eqx.filter_value_and_grad` under `jit`; a Python scalar would be static, and
+    passing it back in (a BatchNorm state) would compile the step again."""
+    model, batch = _setup()
+    (_, expected), _ = eqx.filter_jit(
+        eqx.filter_value_and_grad(_constants, has_aux=True)
+    )(model, batch)
+    vgc = ef.value_grad_and_curvature(
+        _constants, estimator=ef.GGN(), structure=ef.KFAC(), has_aux=True
+    )
+    for call in (vgc, eqx.filter_jit(vgc)):
+        (_, aux), _, _ = call(model, batch)
+        assert _signature(aux) == _signature(expected)
+    like = ef.optim.curvature_like(vgc, model, batch)
+    opt = ef.optim.kfac(1e-2, like=like)
+    step = ef.optim.kfac_step(
+        _constants, opt, estimator=ef.GGN(), structure=ef.KFAC(), has_aux=True
+    )
+    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    model, state, (_, aux) = step(model, state, batch)
+    assert _signature(aux) == _signature(expected)
+    # The flag goes back in with the batch, as a BatchNorm state does: one compile.
+    step(model, state, (*batch, aux["flag"]))
+    assert compiled_during(lambda: step(model, state, (*batch, aux["flag"]))) == []
 
 
 class _NoFloats(eqx.Module):

@@ -64,8 +64,12 @@ def flatten(jaxpr, consts: Sequence[Any], num_params: int) -> Program:
     scope: dict[int, Atom] = {id(v): Const(c) for v, c in zip(jaxpr.constvars, consts)}
     scope.update({id(v): p for v, p in zip(jaxpr.invars, invars)})
     piece = _walk(jaxpr, scope, frozenset())
-    # A walk's outputs are atoms (only an equation's dropped outputs are None).
-    outvars = cast(tuple[Atom, ...], tuple(piece.outs))
+    # A walk's outputs are atoms (only an equation's dropped outputs are None); a
+    # constant output is returned as an array, as `jax.jit` returns it.
+    outvars = tuple(
+        Const(_compat.constant_output(a.value, v.aval)) if isinstance(a, Const) else a
+        for a, v in zip(cast(tuple[Atom, ...], piece.outs), jaxpr.outvars)
+    )
     return Program(invars, piece.nodes, outvars, piece.units)
 
 
