@@ -22,6 +22,38 @@ from ._compile import fast_compile_options, filter_jit_with_options
 from ._state import check_positive_int, find_kfac_state
 
 
+def _check_moved(caller: str, grads: PyTree, updates: PyTree) -> None:
+    """Refuses updates that are some leaves' gradients themselves, passed through
+    the optimiser untouched: added to the parameters, they step up the gradient.
+    `optax.masked(kfac, mask)` alone does that to the leaves outside `mask`."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    try:
+        moved = treedef.flatten_up_to(updates)
+    except (ValueError, TypeError):  # another structure: `apply_updates` says so
+        return
+    through = [
+        jax.tree_util.keystr(path)
+        for (path, g), u in zip(leaves, moved)
+        if u is g and eqx.is_array(g)
+    ]
+    if through:
+        raise ValueError(
+            f"`{caller}(loss_fn, optimiser, ...)`: `optimiser` returned the "
+            f"gradients of {', '.join(through[:3])}"
+            f"{_more(len(through) - 3)} "
+            "unchanged as their updates, a step up the gradient: "
+            "`optax.masked(kfac, mask)` alone passes the leaves outside `mask` "
+            "through. Give those leaves a transformation of their own: "
+            "`optax.chain(optax.masked(kfac, mask), optax.masked(optax.adam(1e-3), "
+            "rest))` to train them, or `optax.masked(optax.set_to_zero(), rest)` "
+            "in its place to freeze them (`rest` the negation of `mask`)."
+        )
+
+
+def _more(count: int) -> str:
+    return "" if count <= 0 else f" and {count} more leaf" + ("s" * (count > 1))
+
+
 def _leading(batch: PyTree, size: int | None) -> PyTree:
     """The first `size` examples of every leaf of `batch` (all when `None`)."""
     if size is None:
@@ -162,8 +194,10 @@ def kfac_step(
     positive integer, or `curvature_batch_size` is given with examples along
     another axis than the leading one; `TypeError` when `has_aux`, `fast_compile`
     or `donate` is not a bool, or `examples` is not an examples kind;
-    at the first step, when `optimiser`'s state holds no K-FAC state, and the
-    errors of `eqfisher.value_grad_and_curvature`.
+    at the first step, when `optimiser`'s state holds no K-FAC state, when
+    `optimiser` returns some leaves' gradients unchanged as their updates
+    (`optax.masked(kfac, mask)` alone), and the errors of
+    `eqfisher.value_grad_and_curvature`.
 
     !!! Example
 
@@ -230,6 +264,7 @@ def kfac_step(
         except (ValueError, TypeError) as error:
             _check_state_of(optimiser, params, opt_state, error)
             raise
+        _check_moved(caller, grads, updates)
         return eqx.apply_updates(model, updates), opt_state, value
 
     return filter_jit_with_options(
