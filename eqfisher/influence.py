@@ -48,6 +48,13 @@ class AbstractInverse(eqx.Module):
         ```
     """
 
+    def operand_structure(self) -> PyTree | None:
+        """The structure (`jax.ShapeDtypeStruct` leaves) of the gradients `solve`
+        takes, for `influence_scores` and `self_influence` to check against the
+        gradients of the parameters `where=` selects; `None` (the default) for an
+        inverse that takes any."""
+        return None
+
     @abc.abstractmethod
     def solve(self, vector: PyTree) -> PyTree:
         r"""$(H + \lambda I)^{-1} v$.
@@ -113,6 +120,9 @@ class CurvatureInverse(AbstractInverse):
         self.curvature = curvature
         self.damping = jnp.asarray(damping)
 
+    def operand_structure(self) -> PyTree:
+        return self.curvature.in_structure()
+
     def solve(self, vector: PyTree) -> PyTree:
         return self.curvature.solve(vector, self.damping)
 
@@ -167,6 +177,9 @@ class ConjugateGradient(AbstractInverse):
         self.atol = atol
         self.max_steps = max_steps
 
+    def operand_structure(self) -> PyTree:
+        return self.operator.in_structure()
+
     def solve(self, vector: PyTree) -> PyTree:
         leaves = jax.tree_util.tree_leaves(vector)
         dtype = leaves[0].dtype
@@ -215,6 +228,33 @@ def _gradient_fn(loss_fn: Callable, model: PyTree, where, caller: str) -> Callab
         return jax.grad(loss)(theta)
 
     return grad
+
+
+def _check_operand(
+    inverse: AbstractInverse, grad: Callable, batch: PyTree, caller: str
+) -> None:
+    """Refuses gradients of other parameters than `inverse` takes (a curvature
+    built with `where=` and scores without it, or the other way round)."""
+    expected = inverse.operand_structure()
+    if expected is None:
+        return
+    got = jax.eval_shape(grad, jax.tree_util.tree_map(lambda a: a[0], batch))
+
+    def shapes(tree) -> list[tuple[int, ...]]:
+        return [tuple(x.shape) for x in jax.tree_util.tree_leaves(tree)]
+
+    def listed(tree) -> str:
+        leaves = shapes(tree)
+        more = f", and {len(leaves) - 4} more" if len(leaves) > 4 else ""
+        return f"{len(leaves)} leaves ({', '.join(map(str, leaves[:4]))}{more})"
+
+    if shapes(got) != shapes(expected):
+        raise ValueError(
+            f"`eqfisher.influence.{caller}(..., inverse, where=...)`: `inverse` "
+            f"takes the gradients of {listed(expected)}, but the parameters "
+            f"`where=` selects (all of them without `where=`) are {listed(got)}. "
+            "Pass the `where=` the curvature (or operator) was built with."
+        )
 
 
 def _low_rank(x: Array, rank: int | None):
@@ -276,8 +316,9 @@ def influence_scores(
 
     **Raises:**
 
-    `ValueError` when `query_rank` is not a positive integer or `None`; the errors
-    of `loss_fn` on a batch of one (every leaf of `train` and `query` needs a
+    `ValueError` when `query_rank` is not a positive integer or `None`, or
+    `inverse` takes the gradients of other parameters than `where` selects; the
+    errors of `loss_fn` on a batch of one (every leaf of `train` and `query` needs a
     leading example axis).
 
     !!! Example
@@ -292,6 +333,7 @@ def influence_scores(
         ```
     """
     grad = _gradient_fn(loss_fn, model, where, "influence_scores")
+    _check_operand(inverse, grad, query, "influence_scores")
     if query_rank is not None and query_rank < 1:
         raise ValueError(
             "`eqfisher.influence.influence_scores(..., query_rank=...)` must be a "
@@ -347,6 +389,7 @@ def self_influence(
         ```
     """
     grad = _gradient_fn(loss_fn, model, where, "self_influence")
+    _check_operand(inverse, grad, train, "self_influence")
 
     def one(example):
         g = grad(example)

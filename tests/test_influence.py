@@ -219,3 +219,32 @@ def test_a_where_selecting_nothing_is_refused_in_the_callers_words(which):
     with pytest.raises(ValueError, match="selects no parameter") as info:
         getattr(inf, which)(loss_fn, model, *args, inverse, where=nothing)
     assert f"eqfisher.influence.{which}(..., where=...)" in info.value.__notes__[0]
+
+
+@pytest.mark.parametrize("which", ["influence_scores", "self_influence"])
+@pytest.mark.parametrize("built_with", ["last", "all"])
+def test_an_inverse_over_other_parameters_than_where_names_where(which, built_with):
+    # A last-layer curvature scored without `where=` (or an all-layer one with
+    # it) failed inside `Curvature.solve`, naming neither the caller nor `where=`.
+    model, train, query = setup()
+    last = ef.filters.by_path("layers[2].*")
+    curv = ef.curvature(
+        loss_fn,
+        model,
+        train,
+        estimator=ef.GGN(),
+        structure=ef.KFAC(),
+        where=last if built_with == "last" else None,
+    )
+    args = (train, query) if which == "influence_scores" else (train,)
+    inverses = [inf.CurvatureInverse(curv, 1e-3)]
+    if built_with == "all":  # the exact GGN's operator covers every parameter too
+        inverses.append(
+            inf.ConjugateGradient(ef.ggn_operator(loss_fn, model, train), 1e-3)
+        )
+    wrong, right = (None, last) if built_with == "last" else (last, None)
+    for inverse in inverses:
+        with pytest.raises(ValueError, match=rf"{which}\(.*takes the gradients of"):
+            getattr(inf, which)(loss_fn, model, *args, inverse, where=wrong)
+        got = getattr(inf, which)(loss_fn, model, *args, inverse, where=right)
+        assert got.shape == ((Q, N) if which == "influence_scores" else (N,))
