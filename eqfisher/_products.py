@@ -9,7 +9,7 @@ import lineax as lx
 from jaxtyping import Array, Float, PyTree
 
 from ._stop_hessian import stop_hessian as stop_hessian
-from ._tracer import StagedLoss, split
+from ._tracer import StagedLoss, calls_custom_vjp, split
 
 
 def _structure(model: PyTree) -> PyTree:
@@ -145,7 +145,9 @@ def hessian_operator(
     """The exact Hessian of `loss_fn` in the parameters, matrix-free (symmetric, not
     necessarily positive-semidefinite), by forward-over-reverse differentiation.
 
-    `loss_fn` needs no registered loss here: it is differentiated as it is.
+    `loss_fn` needs no registered loss here: it is differentiated as it is. The
+    product is forward-over-reverse, or reverse-over-reverse for a `loss_fn`
+    that calls a `jax.custom_vjp` function (which has no forward-mode rule).
 
     **Raises:**
 
@@ -163,5 +165,20 @@ def hessian_operator(
     def grad(p):
         return jax.grad(lambda q: loss_fn(eqx.combine(q, static), batch))(p)
 
-    _, hvp = jax.linearize(grad, params)
+    if calls_custom_vjp(grad, params):
+        # A `jax.custom_vjp` function has no forward-mode rule: reverse over
+        # reverse instead (its custom rule differentiated), as `jax.jacrev` of
+        # `jax.jacrev` works where `jax.hessian` cannot.
+        def hvp(v):
+            return jax.grad(lambda p: _tree_vdot(grad(p), v))(params)
+
+    else:
+        _, hvp = jax.linearize(grad, params)
     return lx.FunctionLinearOperator(hvp, _structure(model), tags=(lx.symmetric_tag,))
+
+
+def _tree_vdot(a: PyTree, b: PyTree) -> Array:
+    return sum(
+        (jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))),
+        start=jnp.zeros(()),
+    )

@@ -275,3 +275,16 @@ def test_output_products_through_a_custom_vjp_outside_the_layers():
         rtol=1e-12,
         atol=1e-14,
     )
+
+    # The Hessian: reverse over reverse (forward mode failed in `mv`, with JAX's
+    # message alone), against `jax.jacrev` of `jax.jacrev`.
+    def total(theta):
+        return loss(eqx.combine(unravel(theta), static), (x, y))
+
+    hessian = jax.jacrev(jax.jacrev(total))(flat)
+    np.testing.assert_allclose(
+        ef.hessian_operator(loss, model, (x, y)).as_matrix(),
+        hessian,
+        rtol=1e-12,
+        atol=1e-14,
+    )

@@ -36,6 +36,7 @@ from .analyses import (
     stops_mixed_gradients as stops_mixed_gradients,
 )
 from .capture import (
+    calls_custom_vjp as calls_custom_vjp,
     LossProgram as LossProgram,
     Returns as Returns,
     Split as Split,

@@ -176,6 +176,12 @@ class Split:
         return self.params + self.others + self.batch
 
 
+def calls_custom_vjp(fn: Callable, *args: Any) -> bool:
+    """Whether `fn(*args)` calls a `jax.custom_vjp` function (which has no
+    forward-mode rule), found in its jaxpr without running it."""
+    return _calls_custom_vjp(jax.make_jaxpr(fn)(*args).jaxpr.eqns)
+
+
 def _calls_custom_vjp(eqns) -> bool:
     return any(
         eqn.primitive.name.startswith("custom_vjp")
