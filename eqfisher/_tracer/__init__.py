@@ -36,11 +36,11 @@ from .analyses import (
     stops_mixed_gradients as stops_mixed_gradients,
 )
 from .capture import (
-    calls_custom_vjp as calls_custom_vjp,
     LossProgram as LossProgram,
     Returns as Returns,
     Split as Split,
     StagedLoss as StagedLoss,
+    calls_custom_vjp as calls_custom_vjp,
     split as split,
     stage_loss as stage_loss,
 )
