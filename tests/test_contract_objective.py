@@ -294,6 +294,51 @@ def test_nonlinear_dependence_is_refused(loss_fn):
         ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
 
 
+def _chosen(m, b):
+    # A registered loss chosen by `lax.cond`: the registrations are in its branches.
+    out = jax.vmap(m)(b[0])[:, :2]
+    return jax.lax.cond(
+        b[3] > 0,
+        lambda o: ef.squared_error(o, b[1]),
+        lambda o: 2.0 * ef.squared_error(o, b[1]),
+        out,
+    )
+
+
+def _plus_chosen(m, b):
+    out = jax.vmap(m)(b[0])[:, :2]
+    extra = jax.lax.cond(
+        b[3] > 0, lambda o: 0.5 * ef.squared_error(o, b[1]), lambda o: 0.0, out
+    )
+    return ef.squared_error(out, b[1]) + extra
+
+
+def _weighted_by_the_condition(m, b):  # the fix the refusal gives
+    out = jax.vmap(m)(b[0])[:, :2]
+    w = jnp.where(b[3] > 0, 1.0, 0.0)
+    return w * ef.squared_error(out, b[1]) + (1 - w) * 2.0 * ef.squared_error(out, b[1])
+
+
+@pytest.mark.parametrize("loss_fn", [_chosen, _plus_chosen], ids=["only", "extra"])
+def test_a_loss_registered_inside_control_flow_is_refused_as_such(loss_fn):
+    # Was "registers no loss. Compute the loss with eqfisher.squared_error, ..."
+    # (what the user did) or "a penalty or regulariser".
+    model, batch = _model(), _batch()
+    with pytest.raises(ValueError, match=r"registers a loss inside `cond`.*jnp.where"):
+        ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.Dense())
+    curv = ef.curvature(
+        _weighted_by_the_condition,
+        model,
+        batch,
+        estimator=ef.GGN(),
+        structure=ef.Dense(),
+    )
+    ref = dense_ggn(
+        lambda m: jax.vmap(m)(batch[0])[:, :2], lambda o: _mse(o, batch[1]), model
+    )
+    np.testing.assert_allclose(curv.as_matrix(), ref, rtol=1e-10, atol=1e-12)
+
+
 def test_a_coefficient_that_depends_on_parameters_is_refused():
     model, batch = _model(), _batch()
     with pytest.raises(ValueError, match="other than through its registered losses"):

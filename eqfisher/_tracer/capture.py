@@ -16,7 +16,11 @@ from jaxtyping import Array, PyTree
 from .. import _compat
 from .._config import current_config
 from ..losses import AbstractLossFamily, loss_tag_p, loss_value_tag_p
-from .analyses import check_objective
+from .analyses import (
+    check_objective,
+    control_flow_registrations,
+    inside_control_flow,
+)
 from .layers import Detection, LayerRecord, detect, sources, unit_paths
 from .program import Evaluation, Program, PVar, VarMap, evaluate, flatten
 from .results import LayerReport, RegisteredLoss
@@ -318,6 +322,9 @@ def stage_loss(
     tags = [n for n in program.nodes if n.eqn.primitive is loss_tag_p]
     if not tags:
         name = getattr(loss_fn, "__name__", repr(loss_fn))
+        hidden = control_flow_registrations(program)
+        if hidden:
+            raise ValueError(f"`{caller}`: {inside_control_flow(hidden)}")
         raise ValueError(
             f"`{caller}`: `loss_fn` ({name}) registers no loss. Compute the loss "
             f"with {_REGISTRATION}; each returns the scalar loss and marks the model "

@@ -22,4 +22,8 @@ from .example_axes import (
     proven_labels as proven_labels,
     stops_mixed_gradients as stops_mixed_gradients,
 )
-from .objective import check_objective as check_objective
+from .objective import (
+    check_objective as check_objective,
+    control_flow_registrations as control_flow_registrations,
+    inside_control_flow as inside_control_flow,
+)

@@ -169,6 +169,7 @@ def check_objective(
         names = ", ".join(
             paths[i].lstrip(".") or "(root)" for i in sorted(label.params)
         )
+        hidden = control_flow_registrations(program)
         raise ValueError(
             f"`{caller}`: the value `loss_fn` returns depends on parameters other "
             f"than through its registered losses (a penalty or regulariser on "
@@ -176,7 +177,37 @@ def check_objective(
             "Compute that term outside `loss_fn` (for ½λ‖θ‖² add λ to the damping: "
             "`curv.solve(g, damping + λ)`), or wrap it in `eqfisher.stop_hessian` to "
             "keep its gradient and drop its curvature."
+            + (f" {inside_control_flow(hidden)}" if hidden else "")
         )
+
+
+def control_flow_registrations(program: Program) -> list[str]:
+    """The control-flow primitives left in `program` (`cond`, `while`, ...) whose
+    branches or bodies register a loss: eqfisher does not see a registration
+    there as one."""
+    return sorted(
+        {n.eqn.primitive.name for n in program.nodes if _registers_inside(n.eqn)}
+    )
+
+
+def inside_control_flow(primitives: Sequence[str]) -> str:
+    """What to say of losses registered inside `primitives`."""
+    return (
+        f"`loss_fn` registers a loss inside `{'`, `'.join(primitives)}` (`lax.cond`, "
+        "`lax.switch`, `lax.while_loop`), where eqfisher does not see it as one: "
+        "register the losses outside control flow and let the condition weight "
+        "them, e.g. `w = jnp.where(flag, 1.0, 0.0)` and `w * loss_a + (1 - w) * "
+        "loss_b` (weights may depend on the batch, not on the parameters)."
+    )
+
+
+def _registers_inside(eqn) -> bool:
+    return any(
+        e.primitive is loss_tag_p or _registers_inside(e)
+        for value in eqn.params.values()
+        for j in _compat.sub_jaxprs(value)
+        for e in j.eqns
+    )
 
 
 def _check_tag_operands(program: Program, read, paths: Sequence[str], caller: str):
