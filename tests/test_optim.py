@@ -946,6 +946,11 @@ def test_curvature_batch_size_names_a_scalar_leaf():
     state = _kfac(0.1).init(eqx.filter(model, eqx.is_inexact_array))
     with pytest.raises(ValueError, match=r"leaf at `batch\[2\]` is a scalar"):
         step(model, state, (x, y, jax.random.key(0)))
+    # A leaf that is no array at all (the static half of `eqx.partition`): said so.
+    with pytest.raises(
+        ValueError, match=r"`batch\[2\]` is not an array \(PjitFunction"
+    ):
+        step(model, state, (x, y, jnp.tanh))
 
 
 def test_curvature_from_a_sub_batch():

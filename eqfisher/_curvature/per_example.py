@@ -60,8 +60,10 @@ INTERACTION = (
     "term zero in value but not in derivative, as a straight-through "
     "`m - jax.lax.stop_gradient(m)` of a batch mean `m`. "
     "Fix: pass `examples=eqfisher.InteractingExamples()` for the exact curvature "
-    "from full-batch products (cost ∝ batch × outputs), run the model in inference "
-    "mode, or use structure=eqfisher.KFAC() on its layers."
+    "from full-batch products (cost ∝ batch × outputs), or run the model in "
+    "inference mode. (Under `structure=eqfisher.KFAC()` only the exact blocks of "
+    "scale-and-shift layers, BatchNorm's and LayerNorm's, need per-example "
+    "vectors: K-FAC with a `where=` that leaves them out needs none.)"
 )
 
 

@@ -58,20 +58,25 @@ def _leading(batch: PyTree, size: int | None) -> PyTree:
     """The first `size` examples of every leaf of `batch` (all when `None`)."""
     if size is None:
         return batch
-    paths = [
-        jax.tree_util.keystr(path)
-        for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
-        if jnp.ndim(x) == 0
-    ]
-    if paths:
-        raise ValueError(
-            "`eqfisher.optim.kfac_step(..., curvature_batch_size=...)` takes the "
-            "first examples of every leaf of `batch`, but the leaf at "
-            f"`batch{paths[0]}` is a scalar (a key, a constant, a counter of an "
-            "`eqx.nn.State`?); pass it through the model or `loss_fn` instead, or "
-            "use `curvature_batch_size=None` (a BatchNorm state carried in the "
-            "batch needs it)."
-        )
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        where = f"`batch{jax.tree_util.keystr(path)}`"
+        if not eqx.is_array_like(x):
+            raise ValueError(
+                "`eqfisher.optim.kfac_step(..., curvature_batch_size=...)` takes the "
+                f"first examples of every leaf of `batch`, but the leaf at {where} "
+                f"is not an array ({type(x).__name__}: the static half of "
+                "`eqx.partition`, a function?); keep it out of `batch` (close over "
+                "it in `loss_fn`, or combine it into the model)."
+            )
+        if jnp.ndim(x) == 0:
+            raise ValueError(
+                "`eqfisher.optim.kfac_step(..., curvature_batch_size=...)` takes the "
+                f"first examples of every leaf of `batch`, but the leaf at {where} "
+                "is a scalar (a key, a constant, a counter of an `eqx.nn.State`?); "
+                "pass it through the model or `loss_fn` instead, or use "
+                "`curvature_batch_size=None` (a BatchNorm state carried in the "
+                "batch needs it)."
+            )
     return jax.tree_util.tree_map(lambda x: x[:size], batch)
 
 
