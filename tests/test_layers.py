@@ -258,3 +258,39 @@ def test_records_of_transformer():
         "norm": ("scale_and_shift", 8, 8),
         "head": ("dense", 8, 11),
     }
+
+
+class _GRU(eqx.Module):
+    cell: eqx.nn.GRUCell
+    out: eqx.nn.Linear
+
+    def __call__(self, seq):
+        def step(h, x):
+            return self.cell(x, h), None
+
+        h, _ = jax.lax.scan(step, jnp.zeros(self.cell.hidden_size), seq)
+        return self.out(h)
+
+
+def test_layers_of_one_module_at_every_step_are_numbered_in_order():
+    # A GRU cell's three layers, used at each of five unrolled steps, were named
+    # `cell`, `cell#2`, `cell#7`: the later steps' uses took numbers too.
+    model = _GRU(
+        eqx.nn.GRUCell(3, 5, key=jr.key(0)), eqx.nn.Linear(5, 4, key=jr.key(1))
+    )
+    seq, y = jr.normal(jr.key(2), (6, 5, 3)), jnp.arange(6) % 4
+
+    def loss_fn(m, b):
+        return ef.softmax_cross_entropy(jax.vmap(m)(b[0]), b[1])
+
+    report = ef.find_layers(loss_fn, model, (seq, y))
+    assert [layer.name for layer in report.layers] == [
+        "cell",
+        "cell#2",
+        "cell#3",
+        "out",
+    ]
+    curv = ef.curvature(
+        loss_fn, model, (seq, y), estimator=ef.GGN(), structure=ef.KFAC()
+    )
+    assert list(curv.blocks) == ["cell", "cell#2", "cell#3", "out"]

@@ -203,20 +203,19 @@ def _in_order(records, numbering: _Numbering) -> tuple[LayerRecord, ...]:
 
 
 def _unique_names(records: Sequence[LayerRecord]) -> tuple[LayerRecord, ...]:
+    """Each record named by its first use: later uses of the same parameters (a
+    tied layer, a layer at every step of an unrolled scan) keep that name, and
+    another layer of the same name is told apart as `name#2`, `name#3`, ..."""
     seen: dict[str, int] = {}
-    owners: dict[str, tuple[int, ...]] = {}
+    named: dict[tuple[int, ...], str] = {}
     out = []
     for r in records:
-        name = r.name
-        if owners.get(name) == r.param_indices:  # another use of a tied layer
-            out.append(r)
-            continue
-        owners.setdefault(name, r.param_indices)
-        seen[name] = seen.get(name, 0) + 1
-        if seen[name] > 1:
-            name = f"{name}#{seen[name]}"
-            r = dataclasses.replace(r, name=name)
-        out.append(r)
+        name = named.get(r.param_indices)
+        if name is None:
+            seen[r.name] = seen.get(r.name, 0) + 1
+            name = r.name if seen[r.name] == 1 else f"{r.name}#{seen[r.name]}"
+            named[r.param_indices] = name
+        out.append(r if name == r.name else dataclasses.replace(r, name=name))
     return tuple(out)
 
 
