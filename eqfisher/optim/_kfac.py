@@ -475,7 +475,9 @@ def kfac(
 
     - `learning_rate`: a float or an optax schedule; the only option to tune.
       With the default `graft`, it is on Adam's scale (each leaf steps as far as
-      Adam at this rate would step it), so the rates that suit Adam suit it.
+      Adam at this rate would step it): start from a rate that suits Adam and
+      sweep up (on the five benchmark problems the best was three times
+      Adam's).
     - `like`, `damping`, `decay`, `inverse_every`, `damping_variant`: see
       `kfac_preconditioner`. The defaults: `damping=3e-5`, `momentum=0`,
       `decay=0.95`, `inverse_every=10`, `FactoredTikhonov()` (π-damping; factors
