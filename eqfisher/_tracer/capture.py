@@ -198,6 +198,29 @@ def _calls_custom_vjp(eqns) -> bool:
     )
 
 
+def _registrations(program: Program, loss_fn: Callable, caller: str):
+    """The program's loss tags and the variables of their values, after checking
+    that there are some, one value each."""
+    tags = [n for n in program.nodes if n.eqn.primitive is loss_tag_p]
+    if not tags:
+        name = getattr(loss_fn, "__name__", repr(loss_fn))
+        hidden = control_flow_registrations(program)
+        if hidden:
+            raise ValueError(f"`{caller}`: {inside_control_flow(hidden)}")
+        raise ValueError(
+            f"`{caller}`: `loss_fn` ({name}) registers no loss. Compute the loss "
+            f"with {_REGISTRATION}; each returns the scalar loss and marks the model "
+            "outputs for curvature."
+        )
+    values = [n.outs[0] for n in program.nodes if n.eqn.primitive is loss_value_tag_p]
+    if len(values) != len(tags):
+        raise ValueError(
+            f"`{caller}`: `loss_fn` has {len(tags)} loss tags but {len(values)} "
+            f"registered loss values; register losses only with {_REGISTRATION}."
+        )
+    return tags, values
+
+
 def split(model: PyTree, batch: PyTree) -> Split:
     params, rest = eqx.partition(model, eqx.is_inexact_array)
     others, static = eqx.partition(rest, eqx.is_array)
@@ -319,23 +342,7 @@ def stage_loss(
 
     jaxpr, consts = _compat.make_jaxpr(flat_fn, *s.inputs)
     program = flatten(jaxpr, consts, n_p)
-    tags = [n for n in program.nodes if n.eqn.primitive is loss_tag_p]
-    if not tags:
-        name = getattr(loss_fn, "__name__", repr(loss_fn))
-        hidden = control_flow_registrations(program)
-        if hidden:
-            raise ValueError(f"`{caller}`: {inside_control_flow(hidden)}")
-        raise ValueError(
-            f"`{caller}`: `loss_fn` ({name}) registers no loss. Compute the loss "
-            f"with {_REGISTRATION}; each returns the scalar loss and marks the model "
-            "outputs for curvature."
-        )
-    values = [n.outs[0] for n in program.nodes if n.eqn.primitive is loss_value_tag_p]
-    if len(values) != len(tags):
-        raise ValueError(
-            f"`{caller}`: `loss_fn` has {len(tags)} loss tags but {len(values)} "
-            f"registered loss values; register losses only with {_REGISTRATION}."
-        )
+    tags, values = _registrations(program, loss_fn, caller)
     params = jax.tree_util.tree_unflatten(s.params_def, s.params)
     paths = tuple(
         jax.tree_util.keystr(p)
