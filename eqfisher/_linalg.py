@@ -97,3 +97,28 @@ eigh = _safe(_eigh)
 eigvalsh = _safe(_eigvalsh)
 qr = _safe(_qr)  # reduced
 svd = _safe(_svd)  # reduced
+
+
+@jax.custom_jvp
+def fallible_cholesky(x: Any) -> Any:
+    """`cholesky(x)`, NaN where `x` is not positive definite, for a caller that
+    falls back to another method there: its derivative is zero there, not NaN.
+    (The plain Cholesky's derivative at a NaN factor is NaN, and reverse mode
+    multiplies it by the zero cotangent the unused factor gets: NaN again.)"""
+    return cholesky(x)
+
+
+@fallible_cholesky.defjvp
+def _(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    factor = cholesky(x)
+    ok = jnp.all(jnp.isfinite(factor), axis=(-2, -1), keepdims=True)
+    eye = jnp.eye(x.shape[-1], dtype=x.dtype)
+    safe = jnp.where(ok, factor, eye)
+    # dL = L Φ(L⁻¹ dX L⁻ᵀ), Φ the lower triangle with its diagonal halved.
+    sym = (dx + jnp.swapaxes(dx, -1, -2)) / 2
+    # (Plain triangular solves: linear in the tangent, and transposable.)
+    solve = functools.partial(jsl.solve_triangular, safe, lower=True)
+    inner = solve(jnp.swapaxes(solve(sym), -1, -2))
+    dfactor = safe @ (jnp.tril(inner) * (1 - eye / 2))
+    return factor, jnp.where(ok, dfactor, jnp.zeros_like(dfactor))

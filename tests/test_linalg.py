@@ -6,6 +6,7 @@ leading axes or by `vmap`, forward and reverse derivatives), and with the loop t
 on, the compiled K-FAC inverses of a stacked layer and a vmapped XTrace call LAPACK on
 single matrices only. `test_no_hang.py` runs the programs that hung."""
 
+import functools
 import re
 
 import equinox as eqx
@@ -189,3 +190,48 @@ def test_the_flag_follows_the_jaxlib_release():
 
     expected = _compat.release(jaxlib.__version__)[:2] == (0, 10)
     assert _compat.LAPACK_SPLITS_BATCHES == expected
+
+
+def test_fallible_cholesky_differentiates_as_cholesky_where_it_succeeds():
+    x = _psd((5,)).astype(jnp.float64)
+    dx = jr.normal(jr.key(3), (5, 5), jnp.float64)
+    dx = dx + dx.T
+    got = jax.jvp(_linalg.fallible_cholesky, (x,), (dx,))
+    want = jax.jvp(jnp.linalg.cholesky, (x,), (dx,))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-12)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-10, atol=1e-12)
+    # Reverse mode too (the rule's tangent map is transposed).
+    g = jax.grad(lambda m: jnp.sum(jnp.sin(_linalg.fallible_cholesky(m))))(x)
+    h = jax.grad(lambda m: jnp.sum(jnp.sin(jnp.linalg.cholesky(m))))(x)
+    np.testing.assert_allclose(g, h, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_full_block_derivatives_in_the_damping_are_finite_where_cholesky_fails(dtype):
+    # A Full block with an eigenvalue just below zero: at a damping below it the
+    # Cholesky fails and `solve`/`logdet` fall back to the clamped eigenvalues.
+    # Their values were finite but reverse mode gave NaN (0 x the NaN factor's
+    # derivative); now both modes agree with the eigendecomposition's own path.
+    q, _ = jnp.linalg.qr(jr.normal(jr.key(0), (6, 6), jnp.float64))
+    values = jnp.array([-1e-5, 1e-3, 0.1, 0.5, 1.0, 2.0], jnp.float64)
+    matrix = ((q * values[None, :]) @ q.T).astype(dtype)
+    block = ef.blocks.Full(matrix, (jax.ShapeDtypeStruct((6,), dtype),))
+    eig = block.precompute()
+    v = (jnp.arange(6.0, dtype=dtype) - 2.5,)
+    lam = jnp.asarray(1e-6, dtype)  # below the negative eigenvalue's size
+    for b in (block, eig):
+        assert jnp.isfinite(b.logdet(lam))
+
+    def logdet(b, damping):
+        return b.logdet(damping)
+
+    def solved(b, damping):
+        return jnp.sum(b.solve(v, damping)[0])
+
+    for f in (logdet, solved):
+        want = jax.grad(functools.partial(f, eig))(lam)
+        got = jax.grad(functools.partial(f, block))(lam)
+        assert jnp.isfinite(got), got
+        np.testing.assert_allclose(got, want, rtol=1e-3)
+        forward = jax.jacfwd(functools.partial(f, block))(lam)
+        np.testing.assert_allclose(forward, want, rtol=1e-3)

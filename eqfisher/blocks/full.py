@@ -134,7 +134,7 @@ class Full(AbstractBlock):
 
     def _cholesky(self, damping: Array) -> Float[Array, "size size"]:
         eye = jnp.eye(self.matrix.shape[0], dtype=self.matrix.dtype)
-        return linalg.cholesky(self.matrix + damping * eye)
+        return linalg.fallible_cholesky(self.matrix + damping * eye)
 
     def _clamped_eigh(self) -> tuple[Array, Array]:
         if self.eig is not None:
