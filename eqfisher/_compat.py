@@ -253,9 +253,10 @@ def constant_output(value: Any, aval: Any) -> Any:
     be a static value to `eqx.filter_jit` and a new compile whenever it is passed
     back in (a BatchNorm state's flag). `jnp.asarray` of a Python scalar is weakly
     typed, of anything with a dtype not."""
-    if getattr(aval, "weak_type", False) and np.ndim(value) == 0:
-        kind = {"b": bool, "i": int, "u": int, "f": float, "c": complex}
-        scalar = jnp.asarray(kind[np.dtype(aval.dtype).kind](value))
+    kind = {"b": bool, "i": int, "u": int, "f": float, "c": complex}
+    python = kind.get(np.dtype(aval.dtype).kind)  # None for bfloat16, say
+    if getattr(aval, "weak_type", False) and np.ndim(value) == 0 and python:
+        scalar = jnp.asarray(python(value))
         if scalar.dtype == aval.dtype:
             return scalar
     return jnp.asarray(value, dtype=aval.dtype)
