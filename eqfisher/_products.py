@@ -6,6 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
+import optax
 from jaxtyping import Array, Float, PyTree
 
 from ._stop_hessian import stop_hessian as stop_hessian
@@ -170,15 +171,8 @@ def hessian_operator(
         # reverse instead (its custom rule differentiated), as `jax.jacrev` of
         # `jax.jacrev` works where `jax.hessian` cannot.
         def hvp(v):
-            return jax.grad(lambda p: _tree_vdot(grad(p), v))(params)
+            return jax.grad(lambda p: optax.tree_utils.tree_vdot(grad(p), v))(params)
 
     else:
         _, hvp = jax.linearize(grad, params)
     return lx.FunctionLinearOperator(hvp, _structure(model), tags=(lx.symmetric_tag,))
-
-
-def _tree_vdot(a: PyTree, b: PyTree) -> Array:
-    return sum(
-        (jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))),
-        start=jnp.zeros(()),
-    )
