@@ -166,7 +166,7 @@ def hessian_operator(
     def grad(p):
         return jax.grad(lambda q: loss_fn(eqx.combine(q, static), batch))(p)
 
-    if calls_custom_vjp(grad, params):
+    if calls_custom_vjp(lambda p: loss_fn(eqx.combine(p, static), batch), params):
         # A `jax.custom_vjp` function has no forward-mode rule: reverse over
         # reverse instead (its custom rule differentiated), as `jax.jacrev` of
         # `jax.jacrev` works where `jax.hessian` cannot.

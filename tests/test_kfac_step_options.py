@@ -111,15 +111,29 @@ def test_has_aux_must_be_a_bool(unchecked):
         _step(loss_fn, opt, has_aux=1)
 
 
-def test_where_preconditions_the_selected_layer_and_adam_the_rest():
-    # docs/optim.md's partial K-FAC: the curvature of `layers[1]` only; K-FAC on
-    # those parameters, Adam on the others, composed with two `optax.masked`.
-    model, batch = problem()
+def _middle_layer_kfac(model, batch):
+    """`(where, vgc, mask, rest, kfac)` for K-FAC on `layers[1]` alone: the
+    curvature function over it, its optax mask and the mask's negation."""
     where = ef.filters.by_path("layers[1].*")
     vgc = _vgc(where=where)
     mask = ef.filters.optax_mask(model, where)
     rest = jax.tree_util.tree_map(lambda m: not m, mask)
     kfac = optim.kfac(0.1, like=optim.curvature_like(vgc, model, batch))
+    return where, vgc, mask, rest, kfac
+
+
+def _moved(got, model):
+    """For each parameter leaf, whether training changed it."""
+    return jax.tree_util.tree_map(
+        lambda a, b: bool(jnp.any(a != b)), _params(got), _params(model)
+    )
+
+
+def test_where_preconditions_the_selected_layer_and_adam_the_rest():
+    # docs/optim.md's partial K-FAC: the curvature of `layers[1]` only; K-FAC on
+    # those parameters, Adam on the others, composed with two `optax.masked`.
+    model, batch = problem()
+    where, vgc, mask, rest, kfac = _middle_layer_kfac(model, batch)
     opt = optax.chain(optax.masked(kfac, mask), optax.masked(optax.adam(1e-2), rest))
     step = _step(loss_fn, opt, where=where)
     with jax.numpy_dtype_promotion("standard"):  # optax's Adam mixes dtypes
@@ -131,10 +145,7 @@ def test_where_preconditions_the_selected_layer_and_adam_the_rest():
         "layers[1]"
     ]
     # Every parameter moved: layers[1] by K-FAC, the others by Adam.
-    moved = jax.tree_util.tree_map(
-        lambda a, b: bool(jnp.any(a != b)), _params(got), _params(model)
-    )
-    assert all(jax.tree_util.tree_leaves(moved))
+    assert all(jax.tree_util.tree_leaves(_moved(got, model)))
 
 
 def test_masked_kfac_alone_is_refused_and_set_to_zero_freezes():
@@ -142,11 +153,7 @@ def test_masked_kfac_alone_is_refused_and_set_to_zero_freezes():
     # as their updates: a step up the gradient (the loss climbed 1.1 -> 37 in ten
     # steps). Refused, naming the leaves and the fix; the fix freezes them.
     model, batch = problem()
-    where = ef.filters.by_path("layers[1].*")
-    vgc = _vgc(where=where)
-    mask = ef.filters.optax_mask(model, where)
-    rest = jax.tree_util.tree_map(lambda m: not m, mask)
-    kfac = optim.kfac(0.1, like=optim.curvature_like(vgc, model, batch))
+    where, _, mask, rest, kfac = _middle_layer_kfac(model, batch)
     alone = optax.masked(kfac, mask)
     step = _step(loss_fn, alone, where=where)
     with pytest.raises(
@@ -155,10 +162,7 @@ def test_masked_kfac_alone_is_refused_and_set_to_zero_freezes():
         step(model, alone.init(_params(model)), batch)
     frozen = optax.chain(alone, optax.masked(optax.set_to_zero(), rest))
     got, _, _ = _run(_step(loss_fn, frozen, where=where), frozen, model, batch, 2)
-    moved = jax.tree_util.tree_map(
-        lambda a, b: bool(jnp.any(a != b)), _params(got), _params(model)
-    )
-    assert moved == jax.tree_util.tree_map(bool, mask)
+    assert _moved(got, model) == jax.tree_util.tree_map(bool, mask)
 
 
 class _Normed(eqx.Module):
