@@ -10,6 +10,7 @@ import pytest
 import eqfisher as ef
 from eqfisher.internal import split, stage_loss
 
+from .helpers import block_slices, dense_ggn
 from .zoo import BY_NAME, F64, ZOO, ZooEntry
 
 
@@ -144,6 +145,51 @@ def test_parameter_not_reaching_the_loss():
     )
     assert report.unmatched == (".unused",)
     assert report.reasons == ("does not affect any registered loss",)
+
+
+def test_parameter_reaching_the_loss_only_through_stop_gradient():
+    # A buffer read through `stop_gradient` has zero curvature: it is reported as
+    # such, not as "no layer pattern". A layer whose weight is also read through
+    # `stop_gradient` (a norm statistic) is still a dense layer: the read has no
+    # derivative, so its blocks are exact.
+    class Buffered(eqx.Module):
+        linear: eqx.nn.Linear
+        head: eqx.nn.Linear
+        shift: jax.Array
+
+        def __call__(self, x):
+            scale = 1 + jax.lax.stop_gradient(jnp.sum(self.linear.weight**2))
+            h = self.linear(x + jax.lax.stop_gradient(self.shift))
+            return self.head(jnp.tanh(h / scale))
+
+    model = Buffered(
+        eqx.nn.Linear(3, 4, dtype=F64, key=jr.key(0)),
+        eqx.nn.Linear(4, 2, dtype=F64, key=jr.key(1)),
+        jnp.ones(3, F64),
+    )
+    x, y = jr.normal(jr.key(2), (5, 3), F64), jr.normal(jr.key(3), (5, 2), F64)
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return ef.squared_error(jax.vmap(model)(x), y)
+
+    report = ef.find_layers(loss_fn, model, (x, y))
+    assert [layer.name for layer in report.layers] == ["linear", "head"]
+    assert report.unmatched == (".shift",)
+    assert "only through `stop_gradient`" in report.reasons[0]
+    curv = ef.curvature(
+        loss_fn, model, (x, y), estimator=ef.GGN(), structure=ef.BlockDiagonal()
+    )
+    dense = dense_ggn(
+        lambda m: jax.vmap(m)(x), lambda out: ef.squared_error(out, y), model
+    )
+    leaves = block_slices(model)  # linear's weight, bias; head's; shift
+    blocks = np.zeros_like(dense)
+    for first, last in [(0, 1), (2, 3)]:
+        part = slice(leaves[first].start, leaves[last].stop)
+        blocks[part, part] = dense[part, part]
+    np.testing.assert_allclose(curv.as_matrix(), blocks, atol=1e-13)
+    assert np.abs(dense[-3:]).max() == 0
 
 
 def test_weight_used_outside_its_layer():

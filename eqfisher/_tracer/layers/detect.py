@@ -24,7 +24,7 @@ from ..._config import current_config
 from ..analyses import axes
 from ..program import SYMBOLIC, Node, Program, PVar, ScanNode, scan_nodes, symbolic
 from .candidates import Candidate, candidates
-from .graph import Graph, sources, unit_paths
+from .graph import Graph, reaching_losses, sources, unit_paths
 from .kinds import AbstractLayerKind, LayerKindName
 from .verdict import Verdict, judge
 
@@ -239,6 +239,10 @@ def _reason(index: int, verdict: Verdict, graph: Graph) -> str:
     if index in verdict.reasons:
         return verdict.reasons[index]
     if id(graph.srcvars[index]) not in graph.reach:
+        if id(graph.srcvars[index]) in reaching_losses(
+            graph.program, derivatives=False
+        ):
+            return "reaches the registered losses only through `stop_gradient` (zero curvature)"
         return "does not affect any registered loss"
     control = _control_flow_user(graph, index)
     if control == "scan":

@@ -54,7 +54,10 @@ def _views(program: Program, srcvars: Sequence[PVar]) -> dict[int, View]:
     return views
 
 
-def _reaching_losses(program: Program) -> frozenset[int]:
+def reaching_losses(program: Program, *, derivatives: bool) -> frozenset[int]:
+    """The ids of the variables a registered loss depends on: through its
+    derivatives (`derivatives=True`: not through a `stop_gradient`, whose
+    operand's curvature is zero), or in value."""
     # Repeated until nothing is added: a scan body's `loop` link (see
     # `program.symbolic`) feeds the body's carry back to its start.
     reach: set[int] = set()
@@ -64,6 +67,8 @@ def _reaching_losses(program: Program) -> frozenset[int]:
         for node in reversed(program.nodes):
             if node.eqn.primitive is loss_tag_p:
                 reach.add(id(node.operand(0)))
+            elif derivatives and node.eqn.primitive.name == "stop_gradient":
+                continue
             elif any(o is not None and id(o) in reach for o in node.outs):
                 reach.update(id(a) for a in node.args)
     return frozenset(reach)
@@ -81,7 +86,9 @@ class Graph:
     shapes: tuple[tuple[int, ...], ...]
     views: Mapping[int, View]
     consumers: Mapping[int, list[Node]]
-    reach: frozenset[int]  # ids of the variables a registered loss depends on
+    # ids of the variables a registered loss's derivatives depend on (not through
+    # a `stop_gradient`)
+    reach: frozenset[int]
 
     @classmethod
     def of(cls, program: Program, leaf_paths: Sequence[str]) -> "Graph":
@@ -95,7 +102,7 @@ class Graph:
             shapes=tuple(tuple(v.aval.shape) for v in srcvars),
             views=types.MappingProxyType(_views(program, srcvars)),
             consumers=types.MappingProxyType(program.consumers()),
-            reach=_reaching_losses(program),
+            reach=reaching_losses(program, derivatives=True),
         )
 
     def reaches_loss(self, node: Node) -> bool:
