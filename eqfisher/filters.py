@@ -22,6 +22,18 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 
+__all__ = [
+    "AbstractFilter",
+    "by_path",
+    "by_type",
+    "combine",
+    "mask",
+    "optax_mask",
+    "params",
+    "partition",
+    "stop_gradient",
+]
+
 _KeyPath = tuple[Any, ...]
 
 

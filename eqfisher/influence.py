@@ -30,6 +30,16 @@ from . import _linalg as linalg, _refusal, filters
 from ._curvature import Curvature
 
 
+__all__ = [
+    "AbstractInverse",
+    "ConjugateGradient",
+    "CurvatureInverse",
+    "Identity",
+    "influence_scores",
+    "self_influence",
+]
+
+
 class AbstractInverse(eqx.Module):
     r"""A damped inverse curvature $(H + \lambda I)^{-1}$ applied to gradient PyTrees.
 

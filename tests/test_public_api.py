@@ -31,6 +31,23 @@ def test_all_lists_the_public_names(name):
     assert sorted(module.__all__) == sorted(public)
 
 
+@pytest.mark.parametrize("name", ["eqfisher.filters", "eqfisher.influence"])
+def test_all_of_a_module_lists_what_it_defines(name):
+    # A module (not a package) imports helpers (`jax`, `Callable`, `Curvature`):
+    # its `__all__` is what it defines, plus `filters.combine` (Equinox's).
+    module = importlib.import_module(name)
+    defined = {
+        n
+        for n, v in vars(module).items()
+        if not n.startswith("_") and getattr(v, "__module__", None) == name
+    }
+    reexported = {"combine"} if name == "eqfisher.filters" else set()
+    assert sorted(module.__all__) == sorted(defined | reexported)
+    namespace: dict = {}
+    exec(f"from {name} import *", namespace)
+    assert "jax" not in namespace and "eqx" not in namespace
+
+
 def test_star_import_binds_the_api_not_the_submodules():
     namespace: dict = {}
     exec("from eqfisher import *", namespace)
