@@ -39,6 +39,7 @@ from .._tracer import (
     VarMap,
     label_of,
     leaf_axes,
+    portable,
     split,
 )
 from ..losses import loss_tag_p
@@ -173,7 +174,10 @@ def one_example(
         x if a is None else jax.lax.slice_in_dim(x, 0, 1, axis=a)
         for x, a in zip(s.batch, axes)
     ]
+    # Convolutions NCHW / OIHW: their per-example weight cotangents are then
+    # right when the examples are sharded (`program.portable`).
     processed = _stage_one(staged, model, batch, one_leaves, axes)
+    processed = dataclasses.replace(processed, program=portable(processed.program))
     one_shapes = [
         node.eqn.invars[0].aval.shape
         for node in processed.program.nodes

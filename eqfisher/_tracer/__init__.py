@@ -68,6 +68,7 @@ from .program import (
     VarMap as VarMap,
     mean_over as mean_over,
     points as points,
+    portable as portable,
 )
 from .results import (
     LayerData as LayerData,

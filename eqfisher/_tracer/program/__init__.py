@@ -19,6 +19,7 @@ reading variables through a `VarMap`). This face re-exports what the rest of the
 tracer and the curvature code use.
 """
 
+from .conv_layout import portable as portable
 from .evaluate import (
     Evaluation as Evaluation,
     VarMap as VarMap,

@@ -19,6 +19,7 @@ statistics' pull-back faster). A kept scan's body (`flatten._as_written`) keeps
 its convolutions as written: forward and cotangents are all in the loop there.
 """
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ... import _compat
+from .types import Node, Program, ScanNode
 
 
 def _canonical(spec: tuple[int, ...]) -> tuple[int, ...]:
@@ -74,3 +76,53 @@ def conv_evaluator(eqn: Any) -> Callable[..., list[Any]] | None:
         return [jnp.transpose(out, back)]
 
     return evaluate
+
+
+def _portable_evaluator(eqn: Any) -> Callable[..., list[Any]] | None:
+    """An evaluator of a `conv_general_dilated` equation that computes it with its
+    operands and output in the order (batch or output, feature or input, *spatial),
+    Equinox's NCHW / OIHW; None for other equations, and operands that are literals
+    or one variable twice."""
+    if eqn.primitive.name != "conv_general_dilated":
+        return None
+    if len(_compat.unique_invars(eqn)) != 2:
+        return None
+    dn = _compat.param(eqn, "dimension_numbers")
+    canonical = tuple(range(len(dn.lhs_spec)))
+    params = dict(eqn.params)
+    params["dimension_numbers"] = jax.lax.ConvDimensionNumbers(
+        lhs_spec=canonical, rhs_spec=canonical, out_spec=canonical
+    )
+    back = tuple(int(i) for i in np.argsort(dn.out_spec))
+
+    def evaluate(lhs, rhs) -> list[Any]:
+        out = eqn.primitive.bind(
+            jnp.transpose(lhs, dn.lhs_spec), jnp.transpose(rhs, dn.rhs_spec), **params
+        )
+        return [jnp.transpose(out, back)]
+
+    return evaluate
+
+
+def portable(program: Program) -> Program:
+    """`program` with every convolution evaluated NCHW / OIHW (`_portable_evaluator`),
+    in scan bodies too: for passes `vmap`-ped over examples. The per-example
+    weight cotangent of a convolution is then a grouped convolution (one group per
+    example), and XLA's SPMD partitioner computes that wrongly, without an error,
+    for some layouts when the examples are sharded: channels-last input with an
+    HWIO, HWOI or IOHW kernel (the `conv_evaluator` form, and Flax's), or a channels-first
+    one with HWIO (jax 0.10.2 and 0.12; relative error 1). NCHW / OIHW is right
+    with every input layout tried."""
+    return dataclasses.replace(program, nodes=_portable_nodes(program.nodes))
+
+
+def _portable_nodes(nodes: tuple[Node, ...]) -> tuple[Node, ...]:
+    out = []
+    for node in nodes:
+        fn = _portable_evaluator(node.eqn)
+        if fn is not None:
+            node = dataclasses.replace(node, fn=fn)
+        if isinstance(node, ScanNode):
+            node = dataclasses.replace(node, body=_portable_nodes(node.body))
+        out.append(node)
+    return tuple(out)
