@@ -127,8 +127,17 @@ class CurvatureInverse(AbstractInverse):
     damping: Float[Array, ""]
 
     def __init__(self, curvature: Curvature, damping: ScalarLike):
+        if not isinstance(curvature, Curvature):
+            raise TypeError(
+                "`eqfisher.influence.CurvatureInverse(curvature, damping)` takes a "
+                "`Curvature` (from `eqfisher.curvature`), got "
+                f"{type(curvature).__name__}. For a matrix-free operator (such as "
+                "`eqfisher.ggn_operator`'s) use `ConjugateGradient(operator, "
+                "damping)`; for a dense matrix, `ConjugateGradient("
+                "lineax.MatrixLinearOperator(matrix, lineax.symmetric_tag), damping)`."
+            )
         self.curvature = curvature
-        self.damping = jnp.asarray(damping)
+        self.damping = _checked_damping(damping, "CurvatureInverse")
 
     def operand_structure(self) -> PyTree:
         return self.curvature.in_structure()
@@ -181,8 +190,22 @@ class ConjugateGradient(AbstractInverse):
         atol: float = 1e-6,
         max_steps: int = 1000,
     ):
+        if not isinstance(operator, lx.AbstractLinearOperator):
+            raise TypeError(
+                "`eqfisher.influence.ConjugateGradient(operator, damping)` takes a "
+                "lineax operator (`eqfisher.ggn_operator(...)`, a `Curvature`), got "
+                f"{type(operator).__name__}; wrap a dense matrix as "
+                "`lineax.MatrixLinearOperator(matrix, lineax.symmetric_tag)`."
+            )
+        for name, value in (("rtol", rtol), ("atol", atol)):
+            if not (isinstance(value, (int, float)) and 0 <= value < float("inf")):
+                raise ValueError(
+                    f"`eqfisher.influence.ConjugateGradient(..., {name}=...)`: a "
+                    f"finite number >= 0, got {value!r}."
+                )
+        _check_size("ConjugateGradient", "max_steps", max_steps)
         self.operator = operator
-        self.damping = jnp.asarray(damping)
+        self.damping = _checked_damping(damping, "ConjugateGradient")
         self.rtol = rtol
         self.atol = atol
         self.max_steps = max_steps
@@ -194,9 +217,17 @@ class ConjugateGradient(AbstractInverse):
         leaves = jax.tree_util.tree_leaves(vector)
         dtype = leaves[0].dtype
         inv = (1 / self.damping).astype(dtype)
-        identity = lx.IdentityLinearOperator(self.operator.in_structure())
-        damped = lx.TaggedLinearOperator(
-            inv * self.operator + identity,
+        operator = self.operator
+
+        def damped_mv(v):
+            return jax.tree_util.tree_map(lambda a, b: inv * a + b, operator.mv(v), v)
+
+        # Its own product, not lineax's `inv * operator + identity`: lineax sums a
+        # diagonal operator's diagonal (a `Diagonal()` curvature's) with the
+        # identity's float64 one under x64, and CG then refuses a float32 vector.
+        damped = lx.FunctionLinearOperator(
+            damped_mv,
+            operator.in_structure(),
             (lx.symmetric_tag, lx.positive_semidefinite_tag),
         )
         b = jax.tree_util.tree_map(lambda x: inv * x, vector)
@@ -216,6 +247,60 @@ class ConjugateGradient(AbstractInverse):
             "`rtol`/`atol` within `max_steps`; raise `max_steps` or `damping`, or "
             "loosen `rtol`/`atol`.",
         )
+
+
+def _checked_damping(damping: ScalarLike, caller: str) -> Array:
+    """`damping` as a scalar array, checked finite and positive: now if it is
+    concrete (`ValueError`), at run time if traced (Equinox's error). At 0, CG on
+    a singular curvature returned zeros, silently."""
+    damping = jnp.asarray(damping)
+    if damping.ndim != 0:
+        raise ValueError(
+            f"`eqfisher.influence.{caller}(..., damping)`: a scalar, got shape "
+            f"{damping.shape}."
+        )
+    message = (
+        f"`eqfisher.influence.{caller}(..., damping)`: the damping λ must be finite "
+        "and positive (H + λI is then invertible)."
+    )
+    bad = ~(jnp.isfinite(damping) & (damping > 0))
+    return _refusal.refused_where(damping, bad, message, lambda: repr(damping.item()))
+
+
+def _check_size(caller: str, name: str, value, *, optional: bool = False) -> None:
+    """`value` a positive int (or None where `optional`)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"`eqfisher.influence.{caller}(..., {name}=...)`: a positive int"
+            f"{' or None' if optional else ''}, got {value!r}."
+        )
+
+
+def _check_call(caller: str, inverse, batches: dict, sizes: dict) -> None:
+    """The arguments of `influence_scores` / `self_influence`: an `AbstractInverse`,
+    batches whose leaves share a leading example axis, positive chunk sizes."""
+    if not isinstance(inverse, AbstractInverse):
+        raise TypeError(
+            f"`eqfisher.influence.{caller}(..., inverse)`: an "
+            "`eqfisher.influence.AbstractInverse` (`Identity()`, "
+            "`CurvatureInverse(curvature, damping)`, `ConjugateGradient(operator, "
+            f"damping)`), got {type(inverse).__name__}."
+        )
+    for name, value in sizes.items():
+        _check_size(caller, name, value, optional=True)
+    for name, batch in batches.items():
+        leaves = jax.tree_util.tree_leaves(batch)
+        shapes = [tuple(jnp.shape(x)) for x in leaves]
+        counts = {shape[0] for shape in shapes if shape}
+        if not leaves or () in shapes or len(counts) != 1:
+            raise ValueError(
+                f"`eqfisher.influence.{caller}(..., {name}, ...)`: every leaf of "
+                f"`{name}` needs one leading example axis of a common size (the "
+                "scores are per example; one example is `x[None]`), got leaves "
+                f"shaped {shapes}."
+            )
 
 
 def _gradient_fn(loss_fn: Callable, model: PyTree, where, caller: str) -> Callable:
@@ -342,13 +427,11 @@ def influence_scores(
         print(scores.shape)  # (2, 32): every query against every training example
         ```
     """
+    sizes = {"chunk_size": chunk_size, "query_chunk_size": query_chunk_size}
+    sizes["query_rank"] = query_rank
+    _check_call("influence_scores", inverse, {"train": train, "query": query}, sizes)
     grad = _gradient_fn(loss_fn, model, where, "influence_scores")
     _check_operand(inverse, grad, query, "influence_scores")
-    if query_rank is not None and query_rank < 1:
-        raise ValueError(
-            "`eqfisher.influence.influence_scores(..., query_rank=...)` must be a "
-            f"positive rank or None, got {query_rank}."
-        )
 
     def precondition(q):
         leaves = jax.tree_util.tree_leaves(inverse.solve(grad(q)))
@@ -398,6 +481,7 @@ def self_influence(
         assert jnp.allclose(scores, jnp.diagonal(pairs), rtol=1e-4)
         ```
     """
+    _check_call("self_influence", inverse, {"train": train}, {"chunk_size": chunk_size})
     grad = _gradient_fn(loss_fn, model, where, "self_influence")
     _check_operand(inverse, grad, train, "self_influence")
 

@@ -248,3 +248,65 @@ def test_an_inverse_over_other_parameters_than_where_names_where(which, built_wi
             getattr(inf, which)(loss_fn, model, *args, inverse, where=wrong)
         got = getattr(inf, which)(loss_fn, model, *args, inverse, where=right)
         assert got.shape == ((Q, N) if which == "influence_scores" else (N,))
+
+
+@pytest.mark.parametrize("damping", [0.0, -0.1, float("nan")])
+def test_a_damping_that_is_not_positive_is_refused(damping):
+    # CG at damping 0 on a singular GGN returned scores of exactly zero.
+    model, train, _ = setup()
+    curv = ef.curvature(loss_fn, model, train, estimator=ef.GGN(), structure=ef.KFAC())
+    op = ef.ggn_operator(loss_fn, model, train)
+    for make, name in [
+        (lambda: inf.ConjugateGradient(op, damping), "ConjugateGradient"),
+        (lambda: inf.CurvatureInverse(curv, damping), "CurvatureInverse"),
+    ]:
+        with pytest.raises(ValueError, match=rf"{name}\(\.\.\., damping\)"):
+            make()
+    # A traced damping is checked when the inverse is used.
+    solve = eqx.filter_jit(lambda d, g: inf.ConjugateGradient(op, d).solve(g))
+    grads = eqx.filter(eqx.filter_grad(loss_fn)(model, train), eqx.is_inexact_array)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="finite and positive"):
+        jax.block_until_ready(solve(jnp.asarray(damping), grads))
+
+
+def test_conjugate_gradient_on_a_diagonal_float32_curvature_under_x64():
+    # lineax summed the `Diagonal()` curvature's diagonal with the identity's
+    # float64 one, and CG refused the float32 vector ("structures do not match").
+    model, train, _ = setup()
+    cast = lambda t: jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.float32) if eqx.is_inexact_array(a) else a, t
+    )
+    model32, train32 = cast(model), cast(train)
+    curv = ef.curvature(
+        loss_fn, model32, train32, estimator=ef.GGN(), structure=ef.Diagonal()
+    )
+    by_cg = inf.self_influence(
+        loss_fn, model32, train32, inf.ConjugateGradient(curv, 0.1, rtol=1e-7)
+    )
+    exact = inf.self_influence(
+        loss_fn, model32, train32, inf.CurvatureInverse(curv, 0.1)
+    )
+    assert by_cg.dtype == jnp.float32
+    np.testing.assert_allclose(by_cg, exact, rtol=1e-4)
+
+
+def test_arguments_of_the_wrong_kind_are_named(unchecked):
+    model, train, query = setup()
+    op = ef.ggn_operator(loss_fn, model, train)
+    with pytest.raises(TypeError, match="use `ConjugateGradient"):
+        inf.CurvatureInverse(op, 0.1)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match="wrap a dense matrix"):
+        inf.ConjugateGradient(jnp.eye(3), 0.1)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match=r"self_influence\(\.\.\., inverse\)"):
+        inf.self_influence(loss_fn, model, train, None)  # pyright: ignore[reportArgumentType]
+    one = jax.tree_util.tree_map(lambda a: a[0], query)  # no example axis
+    with pytest.raises(ValueError, match="every leaf of `query`"):
+        inf.influence_scores(loss_fn, model, train, one, inf.Identity())
+    uneven = (train[0], train[1][:5])
+    with pytest.raises(ValueError, match="every leaf of `train`"):
+        inf.self_influence(loss_fn, model, uneven, inf.Identity())
+    for name, value in [("chunk_size", 0), ("query_chunk_size", -1), ("query_rank", 0)]:
+        with pytest.raises(ValueError, match=rf"{name}=\.\.\.\)`: a positive int"):
+            inf.influence_scores(
+                loss_fn, model, train, query, inf.Identity(), **{name: value}
+            )

@@ -519,6 +519,35 @@ def test_errors(unchecked):
         sp.trace(op, sp.Hutchinson(matvecs=2), key=jr.key(0), batch_size=0)
     with pytest.raises(ValueError, match="kappa"):
         sp.lanczos_quadrature(op, iterations=4, key=jr.key(0)).density(kappa=1.0)
+    q = sp.lanczos_quadrature(op, iterations=4, key=jr.key(0))
+    for bounds in [(0.5, 0.5), (1.0, -1.0), (0.0, float("inf"))]:
+        with pytest.raises(ValueError, match="low < high"):
+            q.density(boundaries=bounds)
+    with pytest.raises(ValueError, match=r"log_density\(boundaries"):
+        q.log_density(boundaries=(2.0, 1.0))
+    # An array is a tracer by the time it is checked: its shape is named.
+    with pytest.raises(TypeError, match=r"an array of shape \(3, 3\)"):
+        sp.trace(jnp.eye(3), sp.Hutchinson(matvecs=2), key=jr.key(0))
+    for key in [0, None, jnp.zeros(3)]:
+        with pytest.raises(TypeError, match=r"top_eigenpairs\(\.\.\., key=\.\.\.\)"):
+            sp.top_eigenpairs(op, 1, key=key)
+    # A raw `jax.random.PRNGKey` is a key too.
+    sp.extreme_eigenvalues(op, iterations=4, key=jr.PRNGKey(0))
+
+
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("scale", [0.0, 1.0, 2.0])
+def test_density_of_a_multiple_of_the_identity(scale, log):
+    # One node: a grid of no width gave NaN densities (zero) or 1e15 (identity).
+    op = lx.MatrixLinearOperator(scale * jnp.eye(20), PSD)
+    grid, density = sp.spectral_density(
+        op, iterations=5, key=jr.key(0), points=2001, kappa=3.0, margin=2.0, log=log
+    )
+    assert np.all(np.isfinite(density)) and np.all(np.diff(grid) > 0)
+    # All the mass at the one eigenvalue (|λ| + ε on the log scale).
+    peak = float(grid[np.argmax(density)])
+    np.testing.assert_allclose(peak, scale + (1e-5 if log else 0), rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(np.trapezoid(density, grid), 1, rtol=1e-3)
 
 
 def test_normal_vectors_unbiased():

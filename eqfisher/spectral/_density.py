@@ -4,11 +4,12 @@ import math
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import lineax as lx
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ._flat import check_count, flatten
+from ._flat import check_count, check_key, flatten
 from ._lanczos import lanczos_basis, lanczos_recurrence, tridiagonal_eigh
 
 
@@ -89,7 +90,7 @@ class Quadrature(eqx.Module):
         more.
         """
         _check_shape("eqfisher.spectral.Quadrature.density", points, kappa, margin)
-        low, high = self._boundaries(self.nodes, boundaries)
+        low, high = _widened(*self._boundaries(self.nodes, boundaries, "density"))
         pad = margin * (high - low)
         low, high = low - pad, high + pad
         centre, half = (high + low) / 2, (high - low) / 2
@@ -133,8 +134,8 @@ class Quadrature(eqx.Module):
                 f"positive, got {epsilon}."
             )
         magnitudes = jnp.abs(self.nodes)
-        low, high = self._boundaries(magnitudes, boundaries)
-        low, high = jnp.log(low + epsilon), jnp.log(high + epsilon)
+        low, high = self._boundaries(magnitudes, boundaries, "log_density")
+        low, high = _widened(jnp.log(low + epsilon), jnp.log(high + epsilon), log=True)
         pad = margin * (high - low)
         low, high = low - pad, high + pad
         centre, half = (high + low) / 2, (high - low) / 2
@@ -145,11 +146,30 @@ class Quadrature(eqx.Module):
         return values, _bumps(grid, normalised, self.weights, sigma) / (half * values)
 
     @staticmethod
-    def _boundaries(nodes, boundaries):
+    def _boundaries(nodes, boundaries, method: str):
         if boundaries is None:
             return jnp.min(nodes), jnp.max(nodes)
         low, high = boundaries
+        if not isinstance(low, jax.core.Tracer) and not isinstance(
+            high, jax.core.Tracer
+        ):
+            if not (math.isfinite(float(low)) and float(low) < float(high) < math.inf):
+                raise ValueError(
+                    f"`eqfisher.spectral.Quadrature.{method}(boundaries=(low, "
+                    f"high))`: finite, with low < high, got {boundaries!r}."
+                )
         return jnp.asarray(low, nodes.dtype), jnp.asarray(high, nodes.dtype)
+
+
+def _widened(low: Array, high: Array, *, log: bool = False) -> tuple[Array, Array]:
+    """`(low, high)` at least a hundredth of their magnitude apart (1 apart about
+    zero; 0.01 apart on the log scale, `log`): the spectrum of a multiple of the
+    identity (or of zero) has one node, and a grid of no width gave NaN
+    densities."""
+    scale = jnp.maximum(jnp.abs(low), jnp.abs(high))
+    floor = 1e-2 if log else jnp.where(scale > 0, 1e-2 * scale, 1.0)
+    pad = jnp.maximum(floor - (high - low), 0) / 2
+    return low - pad, high + pad
 
 
 @eqx.filter_jit
@@ -190,6 +210,7 @@ def lanczos_quadrature(
     caller = "eqfisher.spectral.lanczos_quadrature"
     check_count(iterations, "iterations", caller, minimum=2)
     check_count(repeats, "repeats", caller)
+    check_key(key, caller)
     flat = flatten(operator, caller)
     if reorthogonalise and iterations > flat.size:
         raise ValueError(

@@ -66,15 +66,41 @@ class FlatOperator(eqx.Module):
         )
 
 
+def check_key(key, caller: str) -> None:
+    """`key` a JAX PRNG key: a typed key (`jax.random.key`) or a raw `uint32[2]`
+    one (`jax.random.PRNGKey`)."""
+    typed = isinstance(key, jax.Array) and jnp.issubdtype(
+        key.dtype, jax.dtypes.prng_key
+    )
+    raw = isinstance(key, jax.Array) and key.dtype == jnp.uint32 and key.shape == (2,)
+    if not (typed or raw):
+        got = (
+            f"an array {key.dtype}{list(key.shape)}"
+            if isinstance(key, jax.Array)
+            else repr(key)
+        )
+        raise TypeError(
+            f"`{caller}(..., key=...)`: a JAX random key, such as "
+            f"`jax.random.key(0)`, got {got}."
+        )
+
+
 def flatten(
     operator: lx.AbstractLinearOperator, caller: str, batch_size: int | None = None
 ) -> FlatOperator:
     """`operator` as a `FlatOperator`, after checking it is square with one dtype."""
     if not isinstance(operator, lx.AbstractLinearOperator):
+        # An array passed in is a tracer here (the callers are `filter_jit`-ed).
+        got = (
+            f"an array of shape {tuple(operator.shape)} (wrap a matrix as "
+            "`lineax.MatrixLinearOperator(matrix, lineax.symmetric_tag)`)"
+            if isinstance(operator, jax.Array)
+            else type(operator).__name__
+        )
         raise TypeError(
             f"`{caller}(operator, ...)`: `operator` must be a lineax operator (e.g. "
             f"eqfisher.curvature(...), eqfisher.ggn_operator(...), "
-            f"lineax.MatrixLinearOperator(...)), got {type(operator).__name__}."
+            f"lineax.MatrixLinearOperator(...)), got {got}."
         )
     structure = operator.in_structure()
     leaves, treedef = jax.tree_util.tree_flatten(structure)

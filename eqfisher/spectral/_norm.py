@@ -9,6 +9,7 @@ from ._flat import (
     Distribution,
     check_count,
     check_distribution,
+    check_key,
     flatten,
     random_vectors,
 )
@@ -54,6 +55,7 @@ def squared_frobenius_norm(
     caller = "eqfisher.spectral.squared_frobenius_norm"
     check_count(matvecs, "matvecs", caller)
     check_distribution(distribution, caller)
+    check_key(key, caller)
     flat = flatten(operator, caller, batch_size)
     w = random_vectors(key, flat.size, matvecs, distribution, flat.dtype)
     return jnp.sum(flat.matmat(w) ** 2) / matvecs

@@ -15,6 +15,7 @@ from ._flat import (
     FlatOperator,
     check_count,
     check_distribution,
+    check_key,
     flatten,
     random_vectors,
 )
@@ -322,6 +323,7 @@ def trace(
     """
     caller = "eqfisher.spectral.trace"
     _check_estimator(estimator, caller)
+    check_key(key, caller)
     return estimator.trace(flatten(operator, caller, batch_size), key)
 
 
@@ -358,5 +360,6 @@ def diagonal(
     """
     caller = "eqfisher.spectral.diagonal"
     _check_estimator(estimator, caller)
+    check_key(key, caller)
     flat = flatten(operator, caller, batch_size)
     return flat.unravel(estimator.diagonal(flat, key))
