@@ -46,6 +46,7 @@ from ._curvature import (
     value_grad_and_curvature as value_grad_and_curvature,
 )
 from ._products import (
+    MatrixFreeOperator as MatrixFreeOperator,
     empirical_fisher_operator as empirical_fisher_operator,
     ggn_operator as ggn_operator,
     hessian_operator as hessian_operator,
@@ -73,6 +74,7 @@ from .tracing import (
 
 # What `from eqfisher import *` binds, and what `help(eqfisher)` lists.
 __all__ = [
+    "MatrixFreeOperator",
     "AbstractEstimator",
     "AbstractExamples",
     "AbstractKroneckerStructure",

@@ -1,6 +1,8 @@
 """Exact, matrix-free curvature products as lineax operators, and `stop_hessian`."""
 
+import abc
 from collections.abc import Callable
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -10,58 +12,238 @@ import optax
 from jaxtyping import Array, Float, PyTree
 
 from ._stop_hessian import stop_hessian as stop_hessian
-from ._tracer import StagedLoss, calls_custom_vjp, split
+from ._tracer import RegisteredLoss, StagedLoss, calls_custom_vjp, split
 
 
-def _structure(model: PyTree) -> PyTree:
-    params = eqx.filter(model, eqx.is_inexact_array)
+def _structure(params: PyTree) -> PyTree:
     return jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params
     )
 
 
-def _tag_fn(loss_fn: Callable, model: PyTree, batch: PyTree, caller: str):
-    """`(params_tree -> tag inputs)`, the registered losses, and rebuild helpers."""
-    s = split(model, batch)
-    processed = StagedLoss(loss_fn, caller).stage(s, layers=False)
-    coefs = processed.coefficients(s.inputs)
+class MatrixFreeOperator(lx.AbstractLinearOperator):
+    r"""An exact curvature of `loss_fn` as a matrix-free lineax operator: what
+    `ggn_operator`, `empirical_fisher_operator` and `hessian_operator` return.
 
-    def fn(params):
-        leaves = jax.tree_util.tree_leaves(params)
-        ev = processed.run(leaves + s.others + s.batch)
-        return tuple(t[0] for t in ev.tags), processed.losses(ev, coefs)
+    An `eqx.Module` whose fields are the model's and the batch's arrays (their
+    other leaves, and `loss_fn`, are static), like `lineax.JacobianLinearOperator`:
+    pass it into `eqx.filter_jit` or `jax.jit`, carry it through `lax.scan`, or
+    `jax.vmap` over a stack of them, and a new model or batch of the same shapes
+    compiles nothing new. `mv` linearises the model and applies the product;
+    `lineax.linearise(operator)` linearises once (one forward pass), giving a
+    `lineax.FunctionLinearOperator` whose every `mv` is one JVP and one VJP (the
+    GGN, the empirical Fisher) or one forward-over-reverse product (the Hessian).
+    lineax's solvers and `eqfisher.spectral` linearise it once themselves.
 
-    return fn, eqx.filter(model, eqx.is_inexact_array), processed.calls_custom_vjp
+    The operand is a PyTree like `eqx.filter(model, eqx.is_inexact_array)`.
+
+    !!! Example
+
+        ```python
+        @eqx.filter_jit
+        def newton_direction(ggn, g):  # compiled once, for every batch
+            damped = lx.TaggedLinearOperator(
+                ggn + 1e-3 * lx.IdentityLinearOperator(ggn.in_structure()),
+                lx.positive_semidefinite_tag,
+            )
+            return lx.linear_solve(damped, g, lx.CG(rtol=1e-6, atol=1e-6)).value
+
+        step = newton_direction(ef.ggn_operator(loss_fn, model, batch), grads)
+        ```
+    """
+
+    params: PyTree
+    model_arrays: PyTree
+    batch_arrays: PyTree
+    model_static: PyTree = eqx.field(static=True)
+    batch_static: PyTree = eqx.field(static=True)
+    loss_fn: Callable = eqx.field(static=True)
+
+    def __init__(self, loss_fn: Callable, model: PyTree, batch: PyTree):
+        """**Arguments:** `loss_fn(model, batch) -> scalar`, the model and the batch,
+        as for `eqfisher.ggn_operator` (which builds the GGN's). Checks that
+        `loss_fn` is one this matrix is defined for (traces it, computes
+        nothing)."""
+        self.check(loss_fn, model, batch)
+        params, rest = eqx.partition(model, eqx.is_inexact_array)
+        self.params = params
+        self.model_arrays, self.model_static = eqx.partition(rest, eqx.is_array)
+        self.batch_arrays, self.batch_static = eqx.partition(batch, eqx.is_array)
+        self.loss_fn = loss_fn
+
+    @abc.abstractmethod
+    def tags(self) -> frozenset:
+        """lineax's tags of the matrix."""
+
+    @abc.abstractmethod
+    def linearise_at(
+        self, loss_fn: Callable, model: PyTree, batch: PyTree
+    ) -> lx.FunctionLinearOperator:
+        """The product at `model` and `batch`, the model linearised once."""
+
+    def check(self, loss_fn: Callable, model: PyTree, batch: PyTree) -> None:
+        """Refuses a `loss_fn` this matrix is not defined for, when the operator is
+        built. (None to check by default.)"""
+
+    def linearised(self) -> lx.FunctionLinearOperator:
+        """The product with the model linearised once: `lineax.linearise(self)`."""
+        model = eqx.combine(self.params, self.model_arrays, self.model_static)
+        batch = eqx.combine(self.batch_arrays, self.batch_static)
+        return self.linearise_at(self.loss_fn, model, batch)
+
+    def mv(self, vector: PyTree) -> PyTree:
+        """The product, the model linearised for it (see `lineax.linearise`)."""
+        return self.linearised().mv(vector)
+
+    def as_matrix(self) -> Float[Array, "size size"]:
+        """The dense matrix, rows and columns in `ravel_pytree` order."""
+        return self.linearised().as_matrix()
+
+    def transpose(self) -> "MatrixFreeOperator":
+        """Itself: the matrix is symmetric."""
+        return self
+
+    def in_structure(self) -> PyTree:
+        """The operand: `jax.ShapeDtypeStruct`s like the model's parameters."""
+        return _structure(self.params)
+
+    def out_structure(self) -> PyTree:
+        """The same as `in_structure`."""
+        return _structure(self.params)
 
 
-def _output_product(
-    loss_fn, model, batch, caller, weigh: Callable
-) -> lx.FunctionLinearOperator:
-    fn, params, custom_vjp = _tag_fn(loss_fn, model, batch, caller)
-    if custom_vjp:
-        # A `jax.custom_vjp` has no forward-mode rule: J v is the transpose of
-        # the (linear) VJP, as `jax.jacrev` works where `jax.jacfwd` cannot.
-        outs, vjp_fn, losses = jax.vjp(fn, params, has_aux=True)
-        transposed = jax.linear_transpose(vjp_fn, outs)
+class _OutputProduct(MatrixFreeOperator):
+    """Jᵀ M J for a matrix M of the registered losses' inputs (`weigh`: t ↦ M t)."""
 
-        def jvp_fn(v):
-            return transposed((v,))[0]
-    else:
-        _, jvp_fn, losses = jax.linearize(fn, params, has_aux=True)
-        vjp_fn = jax.linear_transpose(jvp_fn, params)
+    caller: ClassVar[str]
 
-    def mv(v):
-        jv = jvp_fn(v)
-        return vjp_fn(tuple(weigh(loss, t) for loss, t in zip(losses, jv)))[0]
+    @abc.abstractmethod
+    def weigh(self, loss: RegisteredLoss, tangent: Array) -> Array:
+        """M t for one registered loss and a tangent of its inputs."""
 
-    return lx.FunctionLinearOperator(
-        mv, _structure(model), tags=(lx.symmetric_tag, lx.positive_semidefinite_tag)
-    )
+    def tags(self) -> frozenset:
+        return frozenset({lx.symmetric_tag, lx.positive_semidefinite_tag})
+
+    def check(self, loss_fn, model, batch) -> None:
+        StagedLoss(loss_fn, self.caller).stage(split(model, batch), layers=False)
+
+    def linearise_at(self, loss_fn, model, batch) -> lx.FunctionLinearOperator:
+        s = split(model, batch)
+        processed = StagedLoss(loss_fn, self.caller).stage(s, layers=False)
+        coefs = processed.coefficients(s.inputs)
+        params = eqx.filter(model, eqx.is_inexact_array)
+
+        def fn(params):
+            leaves = jax.tree_util.tree_leaves(params)
+            ev = processed.run(leaves + s.others + s.batch)
+            return tuple(t[0] for t in ev.tags), processed.losses(ev, coefs)
+
+        if processed.calls_custom_vjp:
+            # A `jax.custom_vjp` has no forward-mode rule: J v is the transpose of
+            # the (linear) VJP, as `jax.jacrev` works where `jax.jacfwd` cannot.
+            outs, vjp_fn, losses = jax.vjp(fn, params, has_aux=True)
+            transposed = jax.linear_transpose(vjp_fn, outs)
+
+            def jvp_fn(v):
+                return transposed((v,))[0]
+        else:
+            _, jvp_fn, losses = jax.linearize(fn, params, has_aux=True)
+            vjp_fn = jax.linear_transpose(jvp_fn, params)
+
+        def mv(v):
+            jv = jvp_fn(v)
+            return vjp_fn(tuple(self.weigh(loss, t) for loss, t in zip(losses, jv)))[0]
+
+        return lx.FunctionLinearOperator(mv, _structure(params), tags=self.tags())
+
+
+class _GGN(_OutputProduct):
+    caller = "eqfisher.ggn_operator"
+
+    def weigh(self, loss, tangent):
+        w = loss.weights()[..., None]
+        return w * loss.family.hessian_mv(loss.inputs, tangent)
+
+
+class _EmpiricalFisher(_OutputProduct):
+    caller = "eqfisher.empirical_fisher_operator"
+
+    def weigh(self, loss, tangent):
+        # Example n's gradient pulls back its entries' √w-weighted output
+        # gradients, uₙ = Σₜ √wₙₜ Jₙₜᵀ rₙₜ; Σₙ uₙ (uₙᵀ v) pulls back
+        # √wₙₜ rₙₜ (uₙᵀ v), with uₙᵀ v = Σₜ √wₙₜ rₙₜ · (J v)ₙₜ.
+        r = loss.family.output_gradient(loss.inputs, loss.targets)
+        r = r * jnp.sqrt(loss.weights())[..., None]
+        along = jnp.sum((r * tangent).reshape(r.shape[0], -1), axis=1)
+        return r * along.reshape((-1,) + (1,) * (r.ndim - 1))
+
+
+class _Hessian(MatrixFreeOperator):
+    def tags(self) -> frozenset:
+        return frozenset({lx.symmetric_tag})
+
+    def linearise_at(self, loss_fn, model, batch) -> lx.FunctionLinearOperator:
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+
+        def grad(p):
+            return jax.grad(lambda q: loss_fn(eqx.combine(q, static), batch))(p)
+
+        if calls_custom_vjp(lambda p: loss_fn(eqx.combine(p, static), batch), params):
+            # A `jax.custom_vjp` function has no forward-mode rule: reverse over
+            # reverse instead (its custom rule differentiated), as `jax.jacrev` of
+            # `jax.jacrev` works where `jax.hessian` cannot.
+            def hvp(v):
+                return jax.grad(lambda p: optax.tree_utils.tree_vdot(grad(p), v))(
+                    params
+                )
+
+        else:
+            _, hvp = jax.linearize(grad, params)
+        return lx.FunctionLinearOperator(hvp, _structure(params), tags=self.tags())
+
+
+def _register(cls: type) -> None:
+    """lineax's queries and transformations of a `MatrixFreeOperator`: its tags,
+    and the rest through its linearised product."""
+    lx.linearise.register(cls)(lambda op: op.linearised())
+    lx.materialise.register(cls)(lambda op: lx.materialise(op.linearised()))
+    lx.diagonal.register(cls)(lambda op: lx.diagonal(op.linearised()))
+    lx.tridiagonal.register(cls)(lambda op: lx.tridiagonal(op.linearised()))
+    lx.conj.register(cls)(lambda op: op)  # real
+    tagged = {
+        lx.is_symmetric: lx.symmetric_tag,
+        lx.is_positive_semidefinite: lx.positive_semidefinite_tag,
+    }
+    for query, tag in tagged.items():
+        query.register(cls)(lambda op, tag=tag: tag in op.tags())
+    for query in (
+        lx.is_negative_semidefinite,
+        lx.is_diagonal,
+        lx.is_tridiagonal,
+        lx.is_lower_triangular,
+        lx.is_upper_triangular,
+        lx.has_unit_diagonal,
+    ):
+        query.register(cls)(lambda op: False)
+
+
+_register(MatrixFreeOperator)
+
+
+def linearised(operator: lx.AbstractLinearOperator) -> lx.AbstractLinearOperator:
+    """`lineax.linearise(operator)`, for many products with one operator: a
+    `MatrixFreeOperator`'s model (and a `lineax.JacobianLinearOperator`'s) is then
+    linearised once, not at every product. An operator type lineax cannot
+    linearise is returned as it is."""
+    try:
+        return lx.linearise(operator)
+    except NotImplementedError:
+        return operator
 
 
 def ggn_operator(
     loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]], model: PyTree, batch: PyTree
-) -> lx.FunctionLinearOperator:
+) -> MatrixFreeOperator:
     r"""The exact GGN $\sum_n w_n J_n^\top H_n J_n$ as a matrix-free lineax operator.
 
     One Jacobian-vector product, the loss Hessians, and one vector-Jacobian product
@@ -87,16 +269,13 @@ def ggn_operator(
         ```
     """
 
-    def weigh(loss, t):
-        w = loss.weights()[..., None]
-        return w * loss.family.hessian_mv(loss.inputs, t)
-
-    return _output_product(loss_fn, model, batch, "eqfisher.ggn_operator", weigh)
+    # `MatrixFreeOperator.__init__`, inherited (pyright synthesises a dataclass one).
+    return _GGN(loss_fn, model, batch)  # pyright: ignore[reportCallIssue]
 
 
 def empirical_fisher_operator(
     loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]], model: PyTree, batch: PyTree
-) -> lx.FunctionLinearOperator:
+) -> MatrixFreeOperator:
     r"""The exact empirical Fisher, matrix-free.
 
     $\sum_n w_n \nabla \ell_n \nabla \ell_n^\top$, the outer products of the
@@ -126,23 +305,13 @@ def empirical_fisher_operator(
         ```
     """
 
-    def weigh(loss, t):
-        # Example n's gradient pulls back its entries' √w-weighted output
-        # gradients, uₙ = Σₜ √wₙₜ Jₙₜᵀ rₙₜ; Σₙ uₙ (uₙᵀ v) pulls back
-        # √wₙₜ rₙₜ (uₙᵀ v), with uₙᵀ v = Σₜ √wₙₜ rₙₜ · (J v)ₙₜ.
-        r = loss.family.output_gradient(loss.inputs, loss.targets)
-        r = r * jnp.sqrt(loss.weights())[..., None]
-        along = jnp.sum((r * t).reshape(r.shape[0], -1), axis=1)
-        return r * along.reshape((-1,) + (1,) * (r.ndim - 1))
-
-    return _output_product(
-        loss_fn, model, batch, "eqfisher.empirical_fisher_operator", weigh
-    )
+    # `MatrixFreeOperator.__init__`, inherited (pyright synthesises a dataclass one).
+    return _EmpiricalFisher(loss_fn, model, batch)  # pyright: ignore[reportCallIssue]
 
 
 def hessian_operator(
     loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]], model: PyTree, batch: PyTree
-) -> lx.FunctionLinearOperator:
+) -> MatrixFreeOperator:
     """The exact Hessian of `loss_fn` in the parameters, matrix-free (symmetric, not
     necessarily positive-semidefinite), by forward-over-reverse differentiation.
 
@@ -161,18 +330,5 @@ def hessian_operator(
         low, high = ef.spectral.extreme_eigenvalues(hessian, iterations=30, key=key)
         ```
     """
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-
-    def grad(p):
-        return jax.grad(lambda q: loss_fn(eqx.combine(q, static), batch))(p)
-
-    if calls_custom_vjp(lambda p: loss_fn(eqx.combine(p, static), batch), params):
-        # A `jax.custom_vjp` function has no forward-mode rule: reverse over
-        # reverse instead (its custom rule differentiated), as `jax.jacrev` of
-        # `jax.jacrev` works where `jax.hessian` cannot.
-        def hvp(v):
-            return jax.grad(lambda p: optax.tree_utils.tree_vdot(grad(p), v))(params)
-
-    else:
-        _, hvp = jax.linearize(grad, params)
-    return lx.FunctionLinearOperator(hvp, _structure(model), tags=(lx.symmetric_tag,))
+    # `MatrixFreeOperator.__init__`, inherited (pyright synthesises a dataclass one).
+    return _Hessian(loss_fn, model, batch)  # pyright: ignore[reportCallIssue]

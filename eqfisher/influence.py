@@ -28,6 +28,7 @@ from jaxtyping import Array, Float, PyTree, ScalarLike
 
 from . import _linalg as linalg, _refusal, filters
 from ._curvature import Curvature
+from ._products import linearised
 
 
 __all__ = [
@@ -217,7 +218,7 @@ class ConjugateGradient(AbstractInverse):
         leaves = jax.tree_util.tree_leaves(vector)
         dtype = leaves[0].dtype
         inv = (1 / self.damping).astype(dtype)
-        operator = self.operator
+        operator = linearised(self.operator)  # one forward pass, not one a step
 
         def damped_mv(v):
             return jax.tree_util.tree_map(lambda a, b: inv * a + b, operator.mv(v), v)

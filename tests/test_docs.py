@@ -209,7 +209,7 @@ def test_api_reference_covers_every_public_method():
 
 # Abstract bases whose methods are those a user calls (every block has them): on
 # their topic page, not on extending.md.
-USER_FACING_BASES = ("eqfisher.blocks.AbstractBlock",)
+USER_FACING_BASES = ("eqfisher.blocks.AbstractBlock", "eqfisher.MatrixFreeOperator")
 
 
 def test_extending_page_documents_the_protocols():

@@ -13,7 +13,7 @@ import pytest
 
 import eqfisher as ef
 
-from .helpers import dense_hessian, ravelled, tree_allclose
+from .helpers import compiled_during, dense_hessian, ravelled, tree_allclose
 from .test_curvature import (
     DAMPING,
     LOSS_FNS,
@@ -288,3 +288,42 @@ def test_output_products_through_a_custom_vjp_outside_the_layers():
         rtol=1e-12,
         atol=1e-14,
     )
+
+
+@pytest.mark.parametrize("name", list(OPERATORS))
+def test_operators_are_modules_that_compile_once(name):
+    # The operators were `lineax.FunctionLinearOperator`s holding the traced product
+    # as a static program: every new one passed into `eqx.filter_jit` compiled the
+    # function again (0.6-1.0 s), and `jax.jit` and a scan carry refused them. Now
+    # their arrays are leaves.
+    loss = "softmax_ce"
+    make = OPERATORS[name][0]
+    model, batch = mlp(), batch_for(loss)
+    other = jax.tree_util.tree_map(lambda a: a[::-1], batch)  # new values, same shapes
+    g = random_like(model, 3)
+    ops = [make(LOSS_FNS[loss], m, b) for m, b in [(model, batch), (model, other)]]
+    assert isinstance(ops[0], ef.MatrixFreeOperator)
+
+    @eqx.filter_jit
+    def product(op, v):
+        return op.mv(v)
+
+    first = product(ops[0], g)
+    assert compiled_during(lambda: product(ops[1], g)) == []
+    # The same products as a linearised operator's, and as `jax.jit`'s.
+    assert tree_allclose(first, lx.linearise(ops[0]).mv(g), rtol=1e-13)
+    assert tree_allclose(jax.jit(lambda op, v: op.mv(v))(ops[1], g), product(ops[1], g))
+    # A stack of operators, mapped over; and a `lax.scan` carrying one.
+    stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *ops)
+    mapped = jax.vmap(lambda op: op.mv(g))(stacked)
+    for i, op in enumerate(ops):
+        one = jax.tree_util.tree_map(lambda a, i=i: a[i], mapped)
+        assert tree_allclose(one, product(op, g), rtol=1e-12)
+    carried, _ = jax.lax.scan(lambda op, _: (op, None), ops[0], length=2)
+    assert tree_allclose(product(carried, g), first)
+    # The dense matrix, through lineax's `materialise` and `as_matrix`.
+    dense = np.asarray(ops[0].as_matrix())
+    np.testing.assert_allclose(lx.materialise(ops[0]).as_matrix(), dense, rtol=1e-13)
+    flat_g, _ = jax.flatten_util.ravel_pytree(g)
+    flat_first, _ = jax.flatten_util.ravel_pytree(first)
+    np.testing.assert_allclose(dense @ np.asarray(flat_g), flat_first, rtol=1e-10)

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import lineax as lx
 import optax
 from jaxtyping import Array, Float, Int, PyTree, ScalarLike
 
@@ -42,7 +43,8 @@ class QuadraticModel:
     """
 
     def __init__(self, loss_fn: Callable, model: PyTree, batch: PyTree):
-        self._ggn = ggn_operator(loss_fn, model, batch)
+        # Linearised once: each product is then one JVP and one VJP.
+        self._ggn = lx.linearise(ggn_operator(loss_fn, model, batch))
         self.params, self._static = eqx.partition(model, eqx.is_inexact_array)
         self._loss_fn, self._batch = loss_fn, batch
 

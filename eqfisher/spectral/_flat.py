@@ -10,6 +10,8 @@ import lineax as lx
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._products import linearised
+
 
 Distribution = Literal["rademacher", "normal"]
 DISTRIBUTIONS = ("rademacher", "normal")
@@ -124,7 +126,7 @@ def flatten(
             f"vmap over all vectors), got {batch_size!r}."
         )
     return FlatOperator(
-        operator,
+        linearised(operator),
         treedef,
         shapes,
         next(iter(dtypes)),
