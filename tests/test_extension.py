@@ -1,6 +1,8 @@
 """A structure and an estimator defined outside eqfisher, with its public API only,
 against dense float64 references written without eqfisher (`kfac_reference.py`)."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -184,6 +186,32 @@ def test_an_estimator_without_its_methods_cannot_be_made():
         Incomplete()
 
 
+class NoSampleAxis(ef.AbstractEstimator):
+    """Vectors without their leading `k` axis: JAX's "unexpected JAX type ... for
+    argument to VJP function" deep in the pull-back, naming nothing of the user's."""
+
+    needs_key = False
+    splits_positions = False
+
+    def output_vectors(self, loss, key):
+        return ef.GGN().output_vectors(loss, key)[0]
+
+    def example_vectors(self, vectors):
+        return vectors
+
+    def batch_vectors(self, vectors, axis):
+        return vectors
+
+
+@pytest.mark.parametrize("structure", [ef.KFAC(), ef.Diagonal()])
+def test_an_estimators_vectors_of_the_wrong_shape_are_named(structure):
+    model, batch = _problem()
+    with pytest.raises(ValueError, match=r"`NoSampleAxis.output_vectors` must return"):
+        ef.curvature(
+            loss_fn, model, batch, estimator=NoSampleAxis(), structure=structure
+        )
+
+
 class KroneckerEverywhere(ef.AbstractStructure):
     """Asks for Kronecker factors even where a group has none."""
 
@@ -212,10 +240,48 @@ class NoBlock(ef.AbstractStructure):
         return statistics.rows
 
 
+class SwappedOperand(ef.AbstractStructure):
+    """A diagonal block over `(bias, weight)`, where the group is `(weight, bias)`:
+    `as_matrix` and `trace` read it anyway (as_matrix's diagonal was 0.82 off)."""
+
+    steps_alike = False
+
+    def groups(self, candidates, model):
+        return candidates
+
+    def needs(self, group):
+        return ef.Needs(examples=True)
+
+    def block(self, group, statistics):
+        d = statistics.diagonal()
+        return ef.blocks.DiagonalBlock(tuple(reversed(d.diag)))
+
+
+class OneName(ef.AbstractStructure):
+    """Every group named "x": the blocks overwrote each other in `Curvature.blocks`."""
+
+    steps_alike = False
+
+    def groups(self, candidates, model):
+        return tuple(dataclasses.replace(g, name="x") for g in candidates)
+
+    def needs(self, group):
+        return ef.Needs(examples=True)
+
+    def block(self, group, statistics):
+        return statistics.diagonal()
+
+
 def test_a_structure_is_checked_where_it_answers():
     model, batch = _problem()
     with pytest.raises(TypeError, match=r"`NoBlock.block` must return"):
         ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=NoBlock())
+    with pytest.raises(ValueError, match=r"`SwappedOperand.block` returned.*shaped"):
+        ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=SwappedOperand()
+        )
+    with pytest.raises(ValueError, match=r"name each group once.*\['x'\]"):
+        ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=OneName())
     where = ef.filters.by_path("*.bias")
     with pytest.raises(ValueError, match=r"asks for Kronecker factors.*`layers\[0\]`"):
         ef.curvature(

@@ -90,6 +90,27 @@ class Scanned(eqx.Module):
         return self.head(h)
 
 
+class Declared(eqx.Module):
+    """A scaled projection `(x @ w) * s + b` declared as the dense layer
+    `x @ w + b` (`ef.register_dense` says what `y` is; its derivative is what
+    computes it): the outer products would trust the declaration."""
+
+    weight: jax.Array
+    bias: jax.Array
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jr.split(key)
+        self.weight = jr.normal(k1, (4, 5)) / 2
+        self.bias = jnp.full((5,), 0.1)
+        self.head = eqx.nn.Linear(5, 3, key=k2)
+
+    def __call__(self, x):
+        y = (x @ self.weight) * (1 / jnp.sqrt(4.0)) + self.bias
+        y = ef.register_dense(y, x, self.weight, self.bias)
+        return self.head(jnp.tanh(y))
+
+
 def _model(name, use_bias=True):
     key = jr.key(0)
     if name == "scanned":
@@ -107,6 +128,8 @@ def _model(name, use_bias=True):
         )
     elif name == "twice":
         model = Twice(key)
+    elif name == "declared":
+        model = Declared(key)
     else:
         model = OverPositions(key)
     model = perturbed(_f64(model), jr.key(1))
@@ -133,6 +156,7 @@ def _diagonal(curv) -> np.ndarray:
         ("scanned", True),
         ("twice", True),
         ("positions", True),
+        ("declared", True),
     ],
 )
 def test_diagonal_equals_the_dense_ggn(name, use_bias):
@@ -247,7 +271,13 @@ def test_only_the_weights_selected():
 
 @pytest.mark.parametrize(
     "name, outer",
-    [("mlp", True), ("scanned", True), ("twice", False), ("positions", False)],
+    [
+        ("mlp", True),
+        ("scanned", True),
+        ("twice", False),
+        ("positions", False),
+        ("declared", False),
+    ],
 )
 def test_which_layers_skip_the_pass_per_example(monkeypatch, name, outer):
     # The MLP's dense layers take their vectors from the main pass: the pass per

@@ -19,6 +19,8 @@ the moving average, shapes-only curvatures, and one output array per stacked
 factor from a jitted function.
 """
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -385,6 +387,29 @@ def test_map_blocks_inverts_a_stacked_layer_at_once(damping):
         got = inverse.blocks[name]
         assert type(got) is type(want), name
         np.testing.assert_allclose(got.as_matrix(), want.as_matrix(), atol=1e-10)
+
+
+def test_map_blocks_names_are_checked():
+    # `names=` a later step of a stacked layer, an unknown name or a bare string
+    # changed nothing, silently.
+    model, batch = _problem()
+    curv = _kfac_reduce(model, batch)
+    run = next(r for r in curv.runs if len(r) > 1)
+    doubled = curv.map_blocks(lambda b: b.scale(2.0), names=[run[0]])
+    for step in run:
+        np.testing.assert_allclose(
+            doubled.blocks[step].as_matrix(), 2 * curv.blocks[step].as_matrix()
+        )
+    with pytest.raises(
+        ValueError, match=rf"stored \(with its other steps\) as `{re.escape(run[0])}`"
+    ):
+        curv.map_blocks(lambda b: b.scale(2.0), names=[run[1]])
+    with pytest.raises(ValueError, match="no block `nowhere`; the stored blocks"):
+        curv.map_blocks(lambda b: b.scale(2.0), names=["nowhere"])
+    with pytest.raises(TypeError, match="a sequence of block names"):
+        curv.map_blocks(lambda b: b.scale(2.0), names=run[0])
+    with pytest.raises(TypeError, match="`fn` must return a block"):
+        curv.map_blocks(lambda b: b.as_matrix())
 
 
 @pytest.mark.parametrize("eigh_max_dim", [0, 64], ids=["cholesky", "eigh"])

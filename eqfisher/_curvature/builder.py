@@ -341,6 +341,15 @@ class Builder(eqx.Module):
                 f"`{type(self.structure).__name__}.block` must return an "
                 f"`eqfisher.blocks.AbstractBlock`, got {type(block).__name__}."
             )
+        want = [tuple(x.shape) for x in g.shapes]
+        got = [tuple(x.shape) for x in jax.tree_util.tree_leaves(block.in_structure())]
+        if got != want:
+            raise ValueError(
+                f"`{self.caller}(..., structure={self.structure!r})`: "
+                f"`{type(self.structure).__name__}.block` returned, for group "
+                f"`{g.name}`, a block on parameters shaped {got}; the group's are "
+                f"{want} (in that order: `statistics.shapes`)."
+            )
         return block
 
     def _rows(

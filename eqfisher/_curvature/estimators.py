@@ -322,9 +322,40 @@ def loss_vectors(
     else:
         keys = list(jax.random.split(key, len(losses)))
     return [
-        jax.lax.stop_gradient(estimator.output_vectors(loss, k))
+        jax.lax.stop_gradient(
+            _checked(estimator, loss, estimator.output_vectors(loss, k))
+        )
         for loss, k in zip(losses, keys)
     ]
+
+
+def _checked(estimator: AbstractEstimator, loss: RegisteredLoss, v) -> Array:
+    """`v`, the vectors of `estimator` for `loss`, checked to be an array of the
+    loss inputs' dtype shaped `(k, *loss.inputs.shape)`: others failed deep inside
+    the pull-back, with JAX's messages."""
+    want = tuple(loss.inputs.shape)
+    dtype = loss.inputs.dtype
+    ok = (
+        isinstance(v, jax.Array)
+        and v.ndim == len(want) + 1
+        and tuple(v.shape[1:]) == want
+        and v.dtype == dtype
+    )
+    if not ok:
+        got = (
+            f"{v.dtype}{list(v.shape)}"
+            if isinstance(v, jax.Array)
+            else type(v).__name__
+        )
+        family = type(loss.family).__name__
+        raise ValueError(
+            f"`{type(estimator).__name__}.output_vectors` must return the vectors V "
+            f"of one registered loss as an array `(k, *inputs.shape)` of the "
+            f"inputs' dtype, here {dtype}[k, {', '.join(map(str, want))}]; got "
+            f"{got} (for the loss family {family}, whose `sqrt_hessian`, "
+            "`sample` and `output_gradient` the built-in estimators read)."
+        )
+    return v
 
 
 def stacked_vectors(per_loss: list[Array]) -> tuple[Array, ...]:

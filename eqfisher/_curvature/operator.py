@@ -392,12 +392,42 @@ class Curvature(lx.AbstractLinearOperator):
             ```
         """
         stacked = {run[0] for run in self.runs}
-        chosen = self.stored.keys() if names is None else set(names)
+        chosen = self.stored.keys() if names is None else self._known(names)
         stored = {
             k: b if k not in chosen else jax.vmap(fn)(b) if k in stacked else fn(b)
             for k, b in self.stored.items()
         }
+        for k in chosen:
+            if not isinstance(stored[k], AbstractBlock):
+                raise TypeError(
+                    "`Curvature.map_blocks(fn, ...)`: `fn` must return a block "
+                    "(an `eqfisher.blocks` block, such as `block.scale(2.0)`), got "
+                    f"{type(stored[k]).__name__} for block `{k}`."
+                )
         return eqx.tree_at(lambda c: c.stored, self, stored)
+
+    def _known(self, names: Sequence[str]) -> set[str]:
+        """`names`, checked to be names of stored blocks: a step of a stacked layer
+        other than its first, or an unknown name, was ignored."""
+        if isinstance(names, str):
+            raise TypeError(
+                "`Curvature.map_blocks(fn, names=...)`: a sequence of block names, "
+                f"such as `names=[{names!r}]`, got the string {names!r}."
+            )
+        first = {name: run[0] for run in self.runs for name in run[1:]}
+        for name in names:
+            if name in first:
+                raise ValueError(
+                    f"`Curvature.map_blocks(fn, names=...)`: `{name}` is a step of "
+                    f"a stacked layer, stored (with its other steps) as "
+                    f"`{first[name]}`: name that, and `fn` maps every step."
+                )
+            if name not in self.stored:
+                raise ValueError(
+                    f"`Curvature.map_blocks(fn, names=...)`: no block `{name}`; the "
+                    f"stored blocks are {list(self.stored)}."
+                )
+        return set(names)
 
     def transpose(self) -> "Curvature":
         """The curvature itself: every curvature is symmetric."""

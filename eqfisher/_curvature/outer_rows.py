@@ -42,6 +42,11 @@ def outer_rows_possible(
     if n is None or len(records) != 1:
         return False
     (r,) = records
+    if r.declared:
+        # The per-example pass differentiates what computes a declared layer's
+        # output; the outer products would trust the declaration (a `y` of
+        # `(x @ w) * s + b` declared as `x @ w + b` gave diagonals 13% off).
+        return False
     x, y = r.inputs, r.outputs
     if not isinstance(x, PVar) or isinstance(x, StepVar) != isinstance(y, StepVar):
         return False

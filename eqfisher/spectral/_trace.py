@@ -30,6 +30,15 @@ class AbstractTraceEstimator(eqx.Module):
     that of the random vectors' entries: `"rademacher"` (±1, the lower variance) or
     `"normal"`.
 
+    A subclass sets `matvecs` and `distribution` and implements `trace` and
+    `diagonal`, which receive the operator flattened: `operator.size` (the number
+    of parameters P), `operator.dtype`, `operator.matmat(V)` (A V for a `(P, k)`
+    matrix V, one product per column, through `jax.vmap` or the caller's
+    `batch_size`) and `operator.rmatmat(V)` (Aᵀ V), on vectors in
+    `jax.flatten_util.ravel_pytree` order. For example, the exact trace from all
+    P columns, `jnp.trace(operator.matmat(jnp.eye(operator.size,
+    dtype=operator.dtype)))`.
+
     !!! Example
 
         ```python

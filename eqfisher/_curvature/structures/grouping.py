@@ -80,4 +80,12 @@ def check_groups(
             f"`{caller}(..., structure={structure!r})`: `{type(structure).__name__}"
             ".groups` must cover every candidate parameter exactly once."
         )
+    names = [g.name for g in groups]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(
+            f"`{caller}(..., structure={structure!r})`: `{type(structure).__name__}"
+            f".groups` must name each group once (its block's name in "
+            f"`Curvature.blocks`); {twice} name more than one."
+        )
     return tuple(groups)

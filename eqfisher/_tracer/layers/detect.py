@@ -22,6 +22,7 @@ import equinox as eqx
 
 from ..._config import current_config
 from ..analyses import axes
+from ..declare import layer_tag_p
 from ..program import SYMBOLIC, Node, Program, PVar, ScanNode, scan_nodes, symbolic
 from .candidates import Candidate, candidates
 from .graph import Graph, reaching_losses, sources, unit_paths
@@ -93,6 +94,12 @@ class LayerRecord:
     d_out: int
     weight_perm: tuple[int, ...] | None
     core: Node
+
+    @property
+    def declared(self) -> bool:
+        """Whether the layer was declared (`eqfisher.register_dense`): its output
+        is what the user says, not a product the tracer saw."""
+        return self.core.eqn.primitive is layer_tag_p
 
     @property
     def info(self) -> LayerInfo:
