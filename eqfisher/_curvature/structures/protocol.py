@@ -285,10 +285,10 @@ class Statistics(eqx.Module):
     def eigen_kronecker(self) -> EigenKroneckerFactored:
         """The EKFAC block: K-FAC's eigenbases with the exact diagonal of the block in
         that basis (from the per-example vectors)."""
+        d_out = self._factors("eigen_kronecker")[1].shape[0]  # refused if none
         if self.outer is not None:
             return self._eigen_kronecker_outer(self.outer)
         rows = self._rows("eigen_kronecker")
-        d_out = self._factors("eigen_kronecker")[1].shape[0]
         perm = self.weight_perm
         assert perm is not None  # set with the factors
         mats = jax.vmap(lambda *v: to_matrix(v, perm, d_out))(*rows)
