@@ -227,49 +227,41 @@ class KroneckerEverywhere(ef.AbstractStructure):
         return statistics.kronecker()
 
 
-class NoBlock(ef.AbstractStructure):
-    steps_alike = False
-
-    def groups(self, candidates, model):
-        return candidates
-
-    def needs(self, group):
-        return ef.Needs(examples=True)
-
-    def block(self, group, statistics):
-        return statistics.rows
-
-
-class SwappedOperand(ef.AbstractStructure):
-    """A diagonal block over `(bias, weight)`, where the group is `(weight, bias)`:
-    `as_matrix` and `trace` read it anyway (as_matrix's diagonal was 0.82 off)."""
+class _FromExamples(ef.AbstractStructure):
+    """A block per candidate group, from the per-example vectors (`block`: the
+    exact diagonal, which the subclasses below misuse)."""
 
     steps_alike = False
 
     def groups(self, candidates, model):
         return candidates
-
-    def needs(self, group):
-        return ef.Needs(examples=True)
-
-    def block(self, group, statistics):
-        d = statistics.diagonal()
-        return ef.blocks.DiagonalBlock(tuple(reversed(d.diag)))
-
-
-class OneName(ef.AbstractStructure):
-    """Every group named "x": the blocks overwrote each other in `Curvature.blocks`."""
-
-    steps_alike = False
-
-    def groups(self, candidates, model):
-        return tuple(dataclasses.replace(g, name="x") for g in candidates)
 
     def needs(self, group):
         return ef.Needs(examples=True)
 
     def block(self, group, statistics):
         return statistics.diagonal()
+
+
+class NoBlock(_FromExamples):
+    def block(self, group, statistics):
+        return statistics.rows
+
+
+class SwappedOperand(_FromExamples):
+    """A diagonal block over `(bias, weight)`, where the group is `(weight, bias)`:
+    `as_matrix` and `trace` read it anyway (as_matrix's diagonal was 0.82 off)."""
+
+    def block(self, group, statistics):
+        d = statistics.diagonal()
+        return ef.blocks.DiagonalBlock(tuple(reversed(d.diag)))
+
+
+class OneName(_FromExamples):
+    """Every group named "x": the blocks overwrote each other in `Curvature.blocks`."""
+
+    def groups(self, candidates, model):
+        return tuple(dataclasses.replace(g, name="x") for g in candidates)
 
 
 def test_a_structure_is_checked_where_it_answers():
