@@ -22,7 +22,7 @@ from ._flat import (
 
 
 class AbstractTraceEstimator(eqx.Module):
-    """A randomised estimator of the trace and of the diagonal of a square operator,
+    r"""A randomised estimator of the trace and of the diagonal of a square operator,
     from `matvecs` operator products with random vectors.
 
     Pass one to [`eqfisher.spectral.trace`][] or [`eqfisher.spectral.diagonal`][].
@@ -32,9 +32,9 @@ class AbstractTraceEstimator(eqx.Module):
 
     A subclass sets `matvecs` and `distribution` and implements `trace` and
     `diagonal`, which receive the operator flattened: `operator.size` (the number
-    of parameters P), `operator.dtype`, `operator.matmat(V)` (A V for a `(P, k)`
-    matrix V, one product per column, through `jax.vmap` or the caller's
-    `batch_size`) and `operator.rmatmat(V)` (Aᵀ V), on vectors in
+    of parameters $P$), `operator.dtype`, `operator.matmat(V)` ($AV$ for a
+    `(P, k)` matrix $V$, one product per column, through `jax.vmap` or the
+    caller's `batch_size`) and `operator.rmatmat(V)` ($A^\top V$), on vectors in
     `jax.flatten_util.ravel_pytree` order. For example, the exact trace from all
     P columns, `jnp.trace(operator.matmat(jnp.eye(operator.size,
     dtype=operator.dtype)))`.
