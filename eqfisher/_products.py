@@ -13,6 +13,7 @@ from jaxtyping import Array, Float, PyTree
 
 from ._stop_hessian import stop_hessian as stop_hessian
 from ._tracer import RegisteredLoss, StagedLoss, calls_custom_vjp, split
+from .blocks._base import register_unstructured
 
 
 def _structure(params: PyTree) -> PyTree:
@@ -216,15 +217,7 @@ def _register(cls: type) -> None:
     }
     for query, tag in tagged.items():
         query.register(cls)(lambda op, tag=tag: tag in op.tags())
-    for query in (
-        lx.is_negative_semidefinite,
-        lx.is_diagonal,
-        lx.is_tridiagonal,
-        lx.is_lower_triangular,
-        lx.is_upper_triangular,
-        lx.has_unit_diagonal,
-    ):
-        query.register(cls)(lambda op: False)
+    register_unstructured(cls)
 
 
 _register(MatrixFreeOperator)

@@ -1,5 +1,6 @@
-"""`refused_where`: a check on values that may be concrete or traced; and
-`checks_surfaced`, which gives the caller a failed check as Equinox's error."""
+"""`refused_where`: a check on values that may be concrete or traced;
+`checks_surfaced`, which gives the caller a failed check as Equinox's error; and
+the argument checks several public functions share (`check_key`, `check_count`)."""
 
 import logging
 from collections.abc import Callable
@@ -32,6 +33,31 @@ def refused_where(
     if bool(jnp.any(bad)):
         raise ValueError(message if got is None else f"{message} Got {got()}.")
     return carrier
+
+
+def check_key(caller: str, key) -> None:
+    """`key` one PRNG key: a typed key of shape `()` (`jax.random.key`), or raw
+    `uint32` data (`jax.random.PRNGKey`: threefry's 2 words, rbg's 4)."""
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        ok = jnp.shape(key) == ()
+    else:
+        ok = dtype == jnp.uint32 and jnp.shape(key) in ((2,), (4,))
+    if not ok:
+        got = type(key).__name__ if dtype is None else f"{dtype} of shape"
+        shape = "" if dtype is None else f" {jnp.shape(key)}"
+        raise TypeError(
+            f"`{caller}(..., key=...)`: one PRNG key, `jax.random.key(seed)` (or a "
+            f"legacy `jax.random.PRNGKey(seed)`), got {got}{shape}."
+        )
+
+
+def check_count(value: int, name: str, caller: str, *, minimum: int = 1) -> None:
+    """`value` an int (not a bool) of at least `minimum`."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(
+            f"`{caller}({name}=...)` must be an integer >= {minimum}, got {value!r}."
+        )
 
 
 def _carried(carrier: _Carrier, zero) -> _Carrier:

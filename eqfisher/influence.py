@@ -29,6 +29,7 @@ from jaxtyping import Array, Float, PyTree, ScalarLike
 from . import _linalg as linalg, _refusal, filters
 from ._curvature import Curvature
 from ._products import linearised
+from .blocks._base import check_damping
 
 
 __all__ = [
@@ -204,7 +205,9 @@ class ConjugateGradient(AbstractInverse):
                     f"`eqfisher.influence.ConjugateGradient(..., {name}=...)`: a "
                     f"finite number >= 0, got {value!r}."
                 )
-        _check_size("ConjugateGradient", "max_steps", max_steps)
+        _refusal.check_count(
+            max_steps, "max_steps", "eqfisher.influence.ConjugateGradient"
+        )
         self.operator = operator
         self.damping = _checked_damping(damping, "ConjugateGradient")
         self.rtol = rtol
@@ -251,32 +254,13 @@ class ConjugateGradient(AbstractInverse):
 
 
 def _checked_damping(damping: ScalarLike, caller: str) -> Array:
-    """`damping` as a scalar array, checked finite and positive: now if it is
-    concrete (`ValueError`), at run time if traced (Equinox's error). At 0, CG on
-    a singular curvature returned zeros, silently."""
-    damping = jnp.asarray(damping)
-    if damping.ndim != 0:
-        raise ValueError(
-            f"`eqfisher.influence.{caller}(..., damping)`: a scalar, got shape "
-            f"{damping.shape}."
-        )
-    message = (
-        f"`eqfisher.influence.{caller}(..., damping)`: the damping λ must be finite "
-        "and positive (H + λI is then invertible)."
-    )
-    bad = ~(jnp.isfinite(damping) & (damping > 0))
-    return _refusal.refused_where(damping, bad, message, lambda: repr(damping.item()))
-
-
-def _check_size(caller: str, name: str, value, *, optional: bool = False) -> None:
-    """`value` a positive int (or None where `optional`)."""
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"`eqfisher.influence.{caller}(..., {name}=...)`: a positive int"
-            f"{' or None' if optional else ''}, got {value!r}."
-        )
+    """`damping` as a scalar array, checked positive by the blocks' own check (now
+    if it is concrete, at run time if traced), the error naming `caller`. At 0,
+    CG on a singular curvature returned zeros, silently."""
+    try:
+        return check_damping(damping, jnp.result_type(damping))
+    except ValueError as e:
+        raise ValueError(f"`eqfisher.influence.{caller}(..., damping)`: {e}") from None
 
 
 def _check_call(caller: str, inverse, batches: dict, sizes: dict) -> None:
@@ -290,7 +274,8 @@ def _check_call(caller: str, inverse, batches: dict, sizes: dict) -> None:
             f"damping)`), got {type(inverse).__name__}."
         )
     for name, value in sizes.items():
-        _check_size(caller, name, value, optional=True)
+        if value is not None:
+            _refusal.check_count(value, name, f"eqfisher.influence.{caller}")
     for name, batch in batches.items():
         leaves = jax.tree_util.tree_leaves(batch)
         shapes = [tuple(jnp.shape(x)) for x in leaves]

@@ -20,7 +20,7 @@ from jaxtyping import PyTree
 
 from .. import filters
 from .._precision import at_least_float32
-from .._refusal import refused_where
+from .._refusal import check_key, refused_where
 from .._tracer import StagedLoss, split
 from ..blocks import AbstractBlock
 from . import statistics as stats
@@ -65,22 +65,8 @@ def check_args(caller: str, estimator, structure, key, examples) -> None:
             f"`{caller}(..., estimator={estimator!r})` needs `key=`: Monte-Carlo "
             "Fisher samples targets."
         )
-    if key is not None and not _one_key(key):
-        raise TypeError(
-            f"`{caller}(..., key=...)`: one PRNG key, `jax.random.key(seed)` (or a "
-            "legacy `jax.random.PRNGKey(seed)`), got "
-            f"{getattr(key, 'dtype', type(key).__name__)} of shape {jnp.shape(key)}."
-        )
-
-
-def _one_key(key) -> bool:
-    """Whether `key` is one PRNG key: typed of shape (), or raw uint32 data."""
-    dtype = getattr(key, "dtype", None)
-    if dtype is None:
-        return False
-    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
-        return jnp.shape(key) == ()
-    return dtype == jnp.uint32 and jnp.shape(key) in ((2,), (4,))  # threefry, rbg
+    if key is not None:
+        check_key(caller, key)
 
 
 def _select(model: PyTree, where, caller: str) -> list[int]:

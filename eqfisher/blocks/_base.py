@@ -139,8 +139,9 @@ def check_damping(damping: ScalarLike, dtype) -> Float[Array, ""]:
     if isinstance(damping, jax.core.Tracer):
         if _SCALARS_CHECKED.get():
             return jnp.asarray(damping, dtype)
+        # `~(d > 0)`, not `d <= 0`: NaN is refused too.
         return eqx.error_if(
-            jnp.asarray(damping, dtype), jnp.asarray(damping) <= 0, message
+            jnp.asarray(damping, dtype), ~(jnp.asarray(damping) > 0), message
         )
     if not float(np.asarray(damping)) > 0:
         raise ValueError(f"{message} Got {damping}.")
@@ -228,15 +229,7 @@ def register_psd_operator(cls: type) -> type:
     """
     for query in (lx.is_symmetric, lx.is_positive_semidefinite):
         query.register(cls)(lambda operator: True)
-    for query in (
-        lx.is_negative_semidefinite,
-        lx.is_diagonal,
-        lx.is_tridiagonal,
-        lx.is_lower_triangular,
-        lx.is_upper_triangular,
-        lx.has_unit_diagonal,
-    ):
-        query.register(cls)(lambda operator: False)
+    register_unstructured(cls)
     for transform in (lx.linearise, lx.materialise, lx.conj):  # conj: real operators
         transform.register(cls)(lambda operator: operator)
     lx.diagonal.register(cls)(
@@ -253,6 +246,20 @@ def register_psd_operator(cls: type) -> type:
         )
 
     return cls
+
+
+def register_unstructured(cls: type) -> None:
+    """Registers `cls` with lineax as neither negative semidefinite nor diagonal,
+    tridiagonal, triangular or of unit diagonal."""
+    for query in (
+        lx.is_negative_semidefinite,
+        lx.is_diagonal,
+        lx.is_tridiagonal,
+        lx.is_lower_triangular,
+        lx.is_upper_triangular,
+        lx.has_unit_diagonal,
+    ):
+        query.register(cls)(lambda operator: False)
 
 
 register_psd_operator(AbstractBlock)

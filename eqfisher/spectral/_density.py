@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import lineax as lx
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ._flat import check_count, check_key, flatten
+from .._refusal import check_count, check_key
+from ._flat import flatten
 from ._lanczos import lanczos_basis, lanczos_recurrence, tridiagonal_eigh
 
 
@@ -210,7 +211,7 @@ def lanczos_quadrature(
     caller = "eqfisher.spectral.lanczos_quadrature"
     check_count(iterations, "iterations", caller, minimum=2)
     check_count(repeats, "repeats", caller)
-    check_key(key, caller)
+    check_key(caller, key)
     flat = flatten(operator, caller)
     if reorthogonalise and iterations > flat.size:
         raise ValueError(

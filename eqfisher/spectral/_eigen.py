@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import lineax as lx
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from ._flat import check_count, check_key, flatten
+from .._refusal import check_count, check_key
+from ._flat import flatten
 from ._lanczos import lanczos_basis, lanczos_recurrence, tridiagonal_eigh
 
 
@@ -55,7 +56,7 @@ def top_eigenpairs(
         ```
     """
     caller = "eqfisher.spectral.top_eigenpairs"
-    check_key(key, caller)
+    check_key(caller, key)
     flat = flatten(operator, caller)
     check_count(k, "k", caller)
     if k > flat.size:
@@ -122,7 +123,7 @@ def extreme_eigenvalues(
     """
     caller = "eqfisher.spectral.extreme_eigenvalues"
     check_count(iterations, "iterations", caller)
-    check_key(key, caller)
+    check_key(caller, key)
     alpha, beta = lanczos_recurrence(flatten(operator, caller), iterations, key)
     theta, _ = tridiagonal_eigh(alpha, beta)
     return theta[0], theta[-1]

@@ -68,25 +68,6 @@ class FlatOperator(eqx.Module):
         )
 
 
-def check_key(key, caller: str) -> None:
-    """`key` a JAX PRNG key: a typed key (`jax.random.key`) or a raw `uint32[2]`
-    one (`jax.random.PRNGKey`)."""
-    typed = isinstance(key, jax.Array) and jnp.issubdtype(
-        key.dtype, jax.dtypes.prng_key
-    )
-    raw = isinstance(key, jax.Array) and key.dtype == jnp.uint32 and key.shape == (2,)
-    if not (typed or raw):
-        got = (
-            f"an array {key.dtype}{list(key.shape)}"
-            if isinstance(key, jax.Array)
-            else repr(key)
-        )
-        raise TypeError(
-            f"`{caller}(..., key=...)`: a JAX random key, such as "
-            f"`jax.random.key(0)`, got {got}."
-        )
-
-
 def flatten(
     operator: lx.AbstractLinearOperator, caller: str, batch_size: int | None = None
 ) -> FlatOperator:
@@ -171,10 +152,3 @@ def _rademacher(key: PRNGKeyArray, shape: tuple[int, ...], dtype) -> Array:
     words = jax.random.bits(key, (-(-n // 32), 1), jnp.uint32)
     bits = (words >> jnp.arange(32, dtype=jnp.uint32)[None, :]) & 1
     return (2 * bits.astype(dtype) - 1).reshape(-1)[:n].reshape(shape)
-
-
-def check_count(value: int, name: str, caller: str, *, minimum: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(
-            f"`{caller}({name}=...)` must be an integer >= {minimum}, got {value!r}."
-        )

@@ -5,11 +5,10 @@ import jax.numpy as jnp
 import lineax as lx
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._refusal import check_count, check_key
 from ._flat import (
     Distribution,
-    check_count,
     check_distribution,
-    check_key,
     flatten,
     random_vectors,
 )
@@ -55,7 +54,7 @@ def squared_frobenius_norm(
     caller = "eqfisher.spectral.squared_frobenius_norm"
     check_count(matvecs, "matvecs", caller)
     check_distribution(distribution, caller)
-    check_key(key, caller)
+    check_key(caller, key)
     flat = flatten(operator, caller, batch_size)
     w = random_vectors(key, flat.size, matvecs, distribution, flat.dtype)
     return jnp.sum(flat.matmat(w) ** 2) / matvecs

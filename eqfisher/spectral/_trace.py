@@ -10,12 +10,11 @@ import lineax as lx
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from .. import _linalg as linalg
+from .._refusal import check_count, check_key
 from ._flat import (
     Distribution,
     FlatOperator,
-    check_count,
     check_distribution,
-    check_key,
     flatten,
     random_vectors,
 )
@@ -332,7 +331,7 @@ def trace(
     """
     caller = "eqfisher.spectral.trace"
     _check_estimator(estimator, caller)
-    check_key(key, caller)
+    check_key(caller, key)
     return estimator.trace(flatten(operator, caller, batch_size), key)
 
 
@@ -369,6 +368,6 @@ def diagonal(
     """
     caller = "eqfisher.spectral.diagonal"
     _check_estimator(estimator, caller)
-    check_key(key, caller)
+    check_key(caller, key)
     flat = flatten(operator, caller, batch_size)
     return flat.unravel(estimator.diagonal(flat, key))

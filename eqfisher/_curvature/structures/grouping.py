@@ -2,6 +2,8 @@
 groups of a `LossProgram` (one per layer, one per parameter in no layer), and the
 check of the groups a structure's `groups` returns."""
 
+import collections
+
 import jax
 
 from ..._tracer import LayerRecord
@@ -80,8 +82,8 @@ def check_groups(
             f"`{caller}(..., structure={structure!r})`: `{type(structure).__name__}"
             ".groups` must cover every candidate parameter exactly once."
         )
-    names = [g.name for g in groups]
-    twice = sorted({n for n in names if names.count(n) > 1})
+    counts = collections.Counter(g.name for g in groups)
+    twice = sorted(n for n, c in counts.items() if c > 1)
     if twice:
         raise ValueError(
             f"`{caller}(..., structure={structure!r})`: `{type(structure).__name__}"

@@ -25,7 +25,7 @@ from ..analyses import axes
 from ..declare import layer_tag_p
 from ..program import SYMBOLIC, Node, Program, PVar, ScanNode, scan_nodes, symbolic
 from .candidates import Candidate, candidates
-from .graph import Graph, reaching_losses, sources, unit_paths
+from .graph import Graph, sources, unit_paths
 from .kinds import AbstractLayerKind, LayerKindName
 from .verdict import Verdict, judge
 
@@ -246,9 +246,7 @@ def _reason(index: int, verdict: Verdict, graph: Graph) -> str:
     if index in verdict.reasons:
         return verdict.reasons[index]
     if id(graph.srcvars[index]) not in graph.reach:
-        if id(graph.srcvars[index]) in reaching_losses(
-            graph.program, derivatives=False
-        ):
+        if id(graph.srcvars[index]) in graph.value_reach:
             return "reaches the registered losses only through `stop_gradient` (zero curvature)"
         return "does not affect any registered loss"
     control = _control_flow_user(graph, index)

@@ -7,6 +7,7 @@ variable and what reaches a registered loss.
 """
 
 import dataclasses
+import functools
 import types
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
@@ -54,7 +55,7 @@ def _views(program: Program, srcvars: Sequence[PVar]) -> dict[int, View]:
     return views
 
 
-def reaching_losses(program: Program, *, derivatives: bool) -> frozenset[int]:
+def _reaching_losses(program: Program, *, derivatives: bool) -> frozenset[int]:
     """The ids of the variables a registered loss depends on: through its
     derivatives (`derivatives=True`: not through a `stop_gradient`, whose
     operand's curvature is zero), or in value."""
@@ -102,8 +103,15 @@ class Graph:
             shapes=tuple(tuple(v.aval.shape) for v in srcvars),
             views=types.MappingProxyType(_views(program, srcvars)),
             consumers=types.MappingProxyType(program.consumers()),
-            reach=reaching_losses(program, derivatives=True),
+            reach=_reaching_losses(program, derivatives=True),
         )
+
+    @functools.cached_property
+    def value_reach(self) -> frozenset[int]:
+        """The ids of the variables a registered loss depends on in value (through
+        a `stop_gradient` too): for the reason given to a parameter outside
+        `reach`, computed once."""
+        return _reaching_losses(self.program, derivatives=False)
 
     def reaches_loss(self, node: Node) -> bool:
         return any(o is not None and id(o) in self.reach for o in node.outs)

@@ -56,22 +56,39 @@ def conv_evaluator(eqn: Any) -> Callable[..., list[Any]] | None:
     rhs_perm = (*dn.rhs_spec[2:], dn.rhs_spec[0], dn.rhs_spec[1])
     k = len(dn.lhs_spec) - 2
     channels_last = (0, k + 1, *range(1, k + 1))
-    params = dict(eqn.params)
-    params["dimension_numbers"] = jax.lax.ConvDimensionNumbers(
-        lhs_spec=channels_last,
-        rhs_spec=(k, k + 1, *range(k)),
-        out_spec=channels_last,
+    relaid = _relaid(
+        eqn,
+        (lhs_perm, rhs_perm, out_perm),
+        jax.lax.ConvDimensionNumbers(
+            lhs_spec=channels_last,
+            rhs_spec=(k, k + 1, *range(k)),
+            out_spec=channels_last,
+        ),
     )
     original = _compat.eqn_evaluator(eqn)
-    back = tuple(int(i) for i in np.argsort(out_perm))
 
     def evaluate(lhs, rhs) -> list[Any]:
         if jax.default_backend() != "cpu":
             return original(lhs, rhs)
+        return relaid(lhs, rhs)
+
+    return evaluate
+
+
+def _relaid(
+    eqn: Any, perms: tuple[tuple[int, ...], ...], dimension_numbers: Any
+) -> Callable[..., list[Any]]:
+    """The convolution of `eqn` on its input and kernel transposed by `perms[0]`
+    and `perms[1]`, with `dimension_numbers` for those layouts, and its output
+    transposed back from `perms[2]`: the same values in another layout."""
+    lhs_perm, rhs_perm, out_perm = perms
+    params = dict(eqn.params)
+    params["dimension_numbers"] = dimension_numbers
+    back = tuple(int(i) for i in np.argsort(out_perm))
+
+    def evaluate(lhs, rhs) -> list[Any]:
         out = eqn.primitive.bind(
-            jnp.transpose(lhs, lhs_perm),
-            jnp.transpose(rhs, rhs_perm),
-            **params,
+            jnp.transpose(lhs, lhs_perm), jnp.transpose(rhs, rhs_perm), **params
         )
         return [jnp.transpose(out, back)]
 
@@ -89,19 +106,13 @@ def _portable_evaluator(eqn: Any) -> Callable[..., list[Any]] | None:
         return None
     dn = _compat.param(eqn, "dimension_numbers")
     canonical = tuple(range(len(dn.lhs_spec)))
-    params = dict(eqn.params)
-    params["dimension_numbers"] = jax.lax.ConvDimensionNumbers(
-        lhs_spec=canonical, rhs_spec=canonical, out_spec=canonical
+    return _relaid(
+        eqn,
+        (dn.lhs_spec, dn.rhs_spec, dn.out_spec),
+        jax.lax.ConvDimensionNumbers(
+            lhs_spec=canonical, rhs_spec=canonical, out_spec=canonical
+        ),
     )
-    back = tuple(int(i) for i in np.argsort(dn.out_spec))
-
-    def evaluate(lhs, rhs) -> list[Any]:
-        out = eqn.primitive.bind(
-            jnp.transpose(lhs, dn.lhs_spec), jnp.transpose(rhs, dn.rhs_spec), **params
-        )
-        return [jnp.transpose(out, back)]
-
-    return evaluate
 
 
 def portable(program: Program) -> Program:
