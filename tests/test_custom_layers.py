@@ -221,3 +221,21 @@ def test_register_dense_shape_error(unchecked):
     x, w = jnp.ones((5, 4)), jnp.ones((4, 2))
     with pytest.raises(ValueError, match="register_dense"):
         ef.register_dense(jnp.ones((5, 3)), x, w)
+
+
+def test_an_unused_declaration_is_named():
+    """`register_dense`'s result dropped: the declaration claims the weight from the
+    dense layer the tracer would find, so the parameters are reported with the
+    mistake and its fix rather than as "no layer pattern"."""
+    lin = eqx.nn.Linear(IN, OUT, key=jr.key(0))
+    x, y = jnp.ones((N, IN)), jnp.arange(N) % OUT
+
+    def loss_fn(model, batch):
+        x, y = batch
+        out = x @ model.weight.T + model.bias[None]
+        ef.register_dense(out, x, model.weight.T, model.bias)  # result unused
+        return ef.softmax_cross_entropy(out, y)
+
+    report = ef.find_layers(loss_fn, lin, (x, y))
+    assert report.unmatched == (".weight", ".bias")
+    assert all("use the value it returns" in r for r in report.reasons)

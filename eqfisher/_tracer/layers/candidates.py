@@ -36,7 +36,9 @@ class Candidate:
     in_order: tuple[int, ...]
     d_in: int
     weight_perm: tuple[int, ...] | None
-    outputs: PVar  # the variable perturbed: the core's output, or after its bias
+    # The variable perturbed: the core's output, or after its bias; None for a
+    # declaration whose result is unused (`judge` drops it).
+    outputs: PVar | None
     out_labels: tuple[OutputLabel, ...]
     chain: tuple[Node, ...] = ()  # the equations from the core to `outputs`
     # For a declared layer: the equations computing it from its parameters.
@@ -253,7 +255,7 @@ def _declared(node: Node, graph: Graph) -> Candidate | None:
         in_order=tuple(range(x_rank)),
         d_in=_shape(x)[-1],
         weight_perm=perm,
-        outputs=cast(PVar, node.outs[0]),  # a single output: not dropped
+        outputs=node.outs[0],
         out_labels=output_labels(y_rank, (y_rank - 1,)),
     )
     return dataclasses.replace(declared, computes=_computing(graph, declared, y))
@@ -372,8 +374,13 @@ def candidates(graph: Graph) -> tuple[Candidate, ...]:
     parameter nobody took as a bias). A declared layer's parameters are its own:
     equations that also match inside its computation are no layers."""
     # An equation whose output nothing reads (jax 0.9 keeps them) is no layer:
-    # it adds no curvature.
-    read = [n for n in graph.program.nodes if n.outs and n.outs[0] is not None]
+    # it adds no curvature. A declaration is kept either way: one whose result is
+    # unused still claims its parameters, and `judge` names the mistake.
+    read = [
+        n
+        for n in graph.program.nodes
+        if n.outs and (n.outs[0] is not None or n.eqn.primitive is layer_tag_p)
+    ]
     cores = []
     for node in read:
         match = _CORE_MATCHERS.get(node.name)

@@ -150,6 +150,8 @@ def _record(
     that step's `indices`, `inputs` and `outputs`, and copies the rest from `like`
     (its record at another step: a long scan has a record per step)."""
     indices = cand.indices if indices is None else indices
+    outputs = cand.outputs if outputs is None else outputs
+    assert outputs is not None  # a kept candidate's output reaches a loss
     paths = tuple(numbering.paths[i] for i in indices)
     name = layer_name(paths)
     steps = {
@@ -168,7 +170,7 @@ def _record(
             inputs=inputs,
             outputs=outputs,
         )
-    out_shape = cand.outputs.aval.shape
+    out_shape = outputs.aval.shape
     d_out = math.prod(out_shape[i] for i in axes.feature_axes(cand.out_labels))
     return LayerRecord(
         name=name,
@@ -176,7 +178,7 @@ def _record(
         param_paths=paths,
         param_indices=indices,
         inputs=cand.activation if inputs is None else inputs,
-        outputs=cand.outputs if outputs is None else outputs,
+        outputs=outputs,
         in_order=cand.in_order,
         out_order=axes.matrix_order(cand.out_labels),
         d_in=cand.d_in,

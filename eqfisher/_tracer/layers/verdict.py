@@ -2,8 +2,9 @@
 `candidates`.
 
 `judge` drops the candidates that cannot be a Kronecker-factored layer (weights
-shared between layouts, used outside the layer, or sliced by a scan and read
-another way) and gives a reason for each of their parameters.
+shared between layouts, used outside the layer, sliced by a scan and read another
+way, or declared by a `register_dense` whose result is unused) and gives a reason
+for each of their parameters.
 """
 
 import types
@@ -122,6 +123,22 @@ def _stack_uses(cands, graph: Graph, verdict: Verdict) -> Verdict:
     return verdict
 
 
+def _unused_declarations(cands, graph: Graph, verdict: Verdict) -> Verdict:
+    """Drops the declared layers whose tagged output reaches no loss although their
+    parameters do: `register_dense`'s result was dropped, and the declaration
+    claims the parameters from the layer the tracer would have found."""
+    for cand in cands:
+        if not cand.declared or id(cand.outputs) in graph.reach:
+            continue
+        reaching = [i for i in cand.indices if id(graph.srcvars[i]) in graph.reach]
+        reason = (
+            "declared by `eqfisher.register_dense`, whose result does not reach a "
+            "registered loss: use the value it returns in place of `y`"
+        )
+        verdict = verdict.drop([cand], dict.fromkeys(reaching, reason))
+    return verdict
+
+
 def _partner_reasons(cands, graph: Graph, verdict: Verdict) -> Verdict:
     """The other parameters of a dropped layer say why it was dropped."""
     reasons = dict(verdict.reasons)
@@ -142,4 +159,5 @@ def judge(cands: Sequence[Candidate], graph: Graph) -> Verdict:
     tied, verdict = _ties(cands)
     verdict = _outside_uses(cands, tied, graph, verdict)
     verdict = _stack_uses(cands, graph, verdict)
+    verdict = _unused_declarations(cands, graph, verdict)
     return _partner_reasons(cands, graph, verdict)
