@@ -366,8 +366,28 @@ def partition(model: PyTree, *wheres: AbstractFilter | PyTree) -> tuple[PyTree, 
     )
 
 
-# The inverse of `partition`: `combine(*partition(model, *wheres))` is `model`.
-combine = eqx.combine
+def combine(*pytrees: PyTree) -> PyTree:
+    """The inverse of `partition`: `combine(*partition(model, *wheres))` is `model`.
+
+    `equinox.combine` under this module's name: each leaf is the first of
+    `pytrees`' leaves at its place that is not `None`.
+
+    **Arguments:**
+
+    - `*pytrees`: PyTrees of one structure, `None` where a part has no leaf.
+
+    **Returns:**
+
+    One PyTree of that structure.
+
+    !!! Example
+
+        ```python
+        head, rest = ef.filters.partition(params, ef.filters.by_path("layers[1].*"))
+        assert eqx.tree_equal(ef.filters.combine(head, rest), params)
+        ```
+    """
+    return eqx.combine(*pytrees)
 
 
 def stop_gradient(model: PyTree, where: AbstractFilter | PyTree) -> PyTree:

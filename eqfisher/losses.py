@@ -434,7 +434,8 @@ def register_loss(
     !!! Example
 
         With the second half of the batch masked out (padding), value and curvature
-        are those of the first half:
+        are those of the first half (for the exact structures; K-FAC's input factor
+        averages over every example: docs/losses.md, "Masks"):
 
         ```python
         def masked_loss(model, batch):
@@ -465,7 +466,11 @@ def register_loss(
     if inputs.ndim < 2:
         raise ValueError(
             f"`{caller}`: outputs need shape (*examples, outputs), got "
-            f"{inputs.shape}. For one output per example use x[..., None]."
+            f"{inputs.shape}: a loss is registered on a batch of examples. For one "
+            "output per example (a batch of scalars), use `outputs[..., None]`; for "
+            "one example's outputs (a loss written per example, under `jax.vmap`), "
+            "register the batch's outputs instead (`jax.vmap(model)(x)`), or "
+            "`outputs[None]` and `targets[None]`."
         )
     for name, array in (("targets", targets), ("mask", mask)):
         if array is not None and jnp.issubdtype(
@@ -492,7 +497,10 @@ def register_loss(
             (mask < 0) | ~jnp.isfinite(mask) | (jnp.sum(mask) <= 0),
             f"`{caller}(..., mask=...)`: `mask` must be finite and >= 0 with a "
             "positive sum (the value is sum(mask * loss) / sum(mask)); a negative "
-            "weight makes the curvature indefinite. Give padding weight 0.",
+            "weight makes the curvature indefinite. Give padding weight 0. (Under "
+            "`eqfisher.optim.kfac_step(..., curvature_batch_size=n)` the "
+            "statistics' loss is that of the first n examples: their mask needs a "
+            "positive sum too.)",
         )
     targets = family.checked_targets(inputs, targets, mask, caller)
     mask = family.checked_mask(inputs, targets, mask, caller)

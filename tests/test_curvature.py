@@ -601,6 +601,55 @@ def test_fisher_mc_converges_to_exact_fisher():
     assert error > 1e-3 * expected_error
 
 
+def test_kfac_g_of_a_layer_whose_outputs_mix_positions():
+    # A `Linear` applied at T positions, then a causal cumulative sum (as in a
+    # recurrence): GGN()'s output vectors cover every position at once, so G holds
+    # the products between positions (Σₜ (T − t)² / T = 7.5 per output), while
+    # FisherMC samples each position independently (Σₜ (T − t) / T = 2.5).
+    # docs/estimators.md, "How they relate".
+    lin = eqx.nn.Linear(3, 2, use_bias=False, key=jr.key(0))
+    n, t = 4, 4
+    x, y = jr.normal(jr.key(1), (n, t, 3)), jr.normal(jr.key(2), (n, t, 2))
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return ef.squared_error(jnp.cumsum(jax.vmap(jax.vmap(model))(x), axis=1), y)
+
+    def g(estimator, key=None):
+        curv = ef.curvature(
+            loss_fn, lin, (x, y), estimator=estimator, structure=ef.KFAC(), key=key
+        )
+        (block,) = curv.blocks.values()
+        return np.asarray(block.g)
+
+    np.testing.assert_allclose(g(ef.GGN()), 7.5 * np.eye(2), rtol=1e-12)
+    mc = g(ef.FisherMC(samples=4000), jr.key(3))
+    np.testing.assert_allclose(mc, 2.5 * np.eye(2), atol=0.15)
+
+
+def test_kfac_input_factor_counts_masked_examples():
+    # docs/losses.md, "Masks": G is weighted by the mask, A averages every example.
+    lin = eqx.nn.Linear(3, 2, key=jr.key(0))
+    x = jnp.array([[1.0, 2.0, -1.0], [0.5, 0.0, 3.0]])
+    t, mask = jnp.zeros((2, 2)), jnp.array([1.0, 0.0])
+
+    def loss_fn(model, batch):
+        x, t, mask = batch
+        return ef.squared_error(jax.vmap(model)(x), t, mask=mask)
+
+    def block(batch):
+        curv = ef.curvature(
+            loss_fn, lin, batch, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        (b,) = curv.blocks.values()
+        return b
+
+    padded, alone = block((x, t, mask)), block((x[:1], t[:1], mask[:1]))
+    rows = np.concatenate([np.asarray(x), np.ones((2, 1))], axis=1)
+    np.testing.assert_allclose(padded.a, rows.T @ rows / 2, rtol=1e-12)
+    np.testing.assert_allclose(padded.g, alone.g, rtol=1e-12)
+
+
 def test_fisher_mc_depends_on_the_key():
     mats = [
         np.asarray(

@@ -312,6 +312,19 @@ def test_like_must_be_a_curvature():
         optim.kfac_preconditioner(like="curvature")
 
 
+@pytest.mark.parametrize("make", [optim.kfac_preconditioner, optim.kfac])
+def test_damping_variant_must_be_an_instance(make, unchecked):
+    # Taken as given, a string failed at `init` with an AttributeError, a class
+    # with "invert() missing 1 required positional argument".
+    kwargs = dict(like=_like())
+    if make is optim.kfac:
+        kwargs["learning_rate"] = 0.1
+    with pytest.raises(TypeError, match=r"damping_variant=.*got 'pi'"):
+        make(damping_variant="pi", **kwargs)
+    with pytest.raises(TypeError, match=r"call it, `Tikhonov\(\)`"):
+        make(damping_variant=optim.Tikhonov, **kwargs)
+
+
 def test_update_with_a_curvature_unlike_the_template():
     model, batch = _problem()
     other = eqx.nn.MLP(3, 2, 5, 1, activation=jnp.tanh, key=jax.random.key(3))

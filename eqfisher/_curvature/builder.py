@@ -213,7 +213,9 @@ class Builder(eqx.Module):
         cotangents, for the Kronecker factors and the per-example vectors the
         `examples` option takes from this pass."""
         lin, main_rows = forward.lin, forward.main_rows
-        per_loss = loss_vectors(self.estimator, lin.losses, key)
+        per_loss = loss_vectors(
+            self.estimator, _refused_derivatives(self.caller, lin.losses), key
+        )
         _, cotangents = _pull_each(lin.vjp, stacked_vectors(per_loss))
         if self.estimator.splits_positions and any(v.ndim > 3 for v in per_loss):
             # An example's vectors are not its part of the batch's.
@@ -277,7 +279,9 @@ class Builder(eqx.Module):
         a = gg = outer = None
         if n.kronecker:
             size = main.losses[0].inputs.shape[0]
-            reduce = _reduce_examples(self.structure, n, g, size, self.caller)
+            reduce = _reduce_examples(
+                self.structure, n, g, size, self.caller, self.examples
+            )
             # Every step's use of a weight in a kept scan at once, from the
             # scan's stacked values: the work does not grow with the steps.
             a, gg = stats.pooled_factors(
@@ -379,17 +383,32 @@ def _refuse_tangents(caller: str, primals, tangents):
     if not all(isinstance(t, SymbolicZero) for t in tangents):
         raise ValueError(
             f"`{caller}`: the curvature is not differentiable in the model's "
-            "parameters or the batch: its statistics hold the estimator's vectors "
+            "parameters or the batch (its targets, masks and loss coefficients "
+            "included): its statistics hold the estimator's vectors "
             "constant, so a derivative through them would be wrong. To use the "
             "curvature as a constant (a preconditioner, a posterior's precision), "
-            "pass `jax.lax.stop_gradient(model)` (and the batch); for derivatives "
-            "of curvature products, differentiate `eqfisher.ggn_operator(...).mv` "
-            "or `jax.hessian`."
+            "pass `eqfisher.filters.stop_gradient(model, True)` and "
+            "`jax.lax.stop_gradient(batch)`; for derivatives of curvature "
+            "products, differentiate `eqfisher.ggn_operator(...).mv` or "
+            "`jax.hessian`. (The value and gradient of `value_grad_and_curvature` "
+            "come with the curvature: to differentiate them, compute them with "
+            "`eqx.filter_value_and_grad`.)"
         )
     return leaves, tangents
 
 
 _not_differentiable.defjvp(_refuse_tangents, symbolic_zeros=True)
+
+
+def _refused_derivatives(caller: str, losses):
+    """The registered losses, refusing a derivative through their arrays (their
+    inputs, float targets, masks and coefficients): the estimator's vectors, made
+    from them, are held constant, so a derivative in the targets, the mask or a
+    coefficient would be zero where it is not."""
+    arrays, rest = eqx.partition(losses, eqx.is_inexact_array)
+    leaves, tree = jax.tree_util.tree_flatten(arrays)
+    guarded = jax.tree_util.tree_unflatten(tree, _not_differentiable(caller, leaves))
+    return eqx.combine(guarded, rest)
 
 
 def _check_examples(losses, caller: str) -> None:
@@ -474,9 +493,21 @@ def _needs(structure: AbstractStructure, g: Group, caller: str) -> Needs:
     return n
 
 
-def _reduce_examples(structure, n: Needs, g: Group, size: int, caller: str):
+def _reduce_examples(
+    structure, n: Needs, g: Group, size: int, caller: str, examples: AbstractExamples
+):
     if n.weight_sharing != "reduce":
         return None
+    if not examples.batch_leads():
+        # The layer's locations do not say where the examples are: "reduce" takes
+        # them as its first location axis, the batch's leading one.
+        raise ValueError(
+            f'`{caller}(..., structure={structure!r})`: "reduce" averages each '
+            "example's inputs over the layer's locations, with the examples on the "
+            f"leading axis of the batch, but `examples={examples!r}` puts them "
+            "elsewhere. Put the example axis first (e.g. `x.swapaxes(0, 1)` for a "
+            'time-major batch), or use weight_sharing="expand".'
+        )
     first = stats.example_axis_size(g.records[0])
     if first != size:
         raise ValueError(

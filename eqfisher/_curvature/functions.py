@@ -58,9 +58,11 @@ def curvature(
     - `TypeError` when `estimator`, `structure` or `examples` is not one of
       eqfisher's types.
     - `ValueError` when `FisherMC` gets no `key`, when `where` selects no
-      parameter, when `loss_fn` registers no loss or its value is not affine in the
-      registered losses, or when examples interact inside `loss_fn` (BatchNorm
-      statistics) under `IndependentExamples()`; each message names the fix.
+      parameter, or when `loss_fn` registers no loss or its value is not affine in
+      the registered losses; each message names the fix.
+    - `eqx.EquinoxRuntimeError` (a check on the values, when the curvature is
+      computed) when examples interact inside `loss_fn` (BatchNorm statistics)
+      under `IndependentExamples()`; the message names the fix.
 
     !!! Example
 
@@ -76,7 +78,7 @@ def curvature(
             loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
         )
         print(curv.blocks.keys())  # layers[0], layers[1]: KroneckerFactored
-        print(curv.as_matrix().shape)  # (59, 59)
+        print(curv.as_matrix().shape)  # (51, 51)
         ```
     """
     check_args("eqfisher.curvature", estimator, structure, key, examples)

@@ -343,7 +343,9 @@ class Curvature(lx.AbstractLinearOperator):
 
         **Raises:**
 
-        `ValueError` when `other` has other blocks.
+        `ValueError` when `other` has other blocks (names or structure), a
+        `TypeError` when a block of `other` is of another type (a K-FAC block
+        against a diagonal one).
 
         !!! Example
 

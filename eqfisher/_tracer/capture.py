@@ -116,8 +116,13 @@ class LossProgram:
 
     def coefficients(self, inputs: Sequence[Any]) -> tuple[Array, ...]:
         """The derivative of the objective with respect to each registered loss's
-        value (the objective is affine in them: `check_objective`)."""
-        inputs = jax.lax.stop_gradient(list(inputs))
+        value (the objective is affine in them: `check_objective`).
+
+        Held constant in the parameters (a coefficient does not depend on them, and
+        a derivative through this pass would differentiate the whole program twice),
+        not in the batch: a coefficient the batch gives is differentiable."""
+        n = self.num_params
+        inputs = list(jax.lax.stop_gradient(list(inputs[:n]))) + list(inputs[n:])
         used = [v for v in self.value_vars if v is not None]
 
         def objective(perturb):

@@ -17,6 +17,34 @@ def _call(model, x):
     return model(x)
 
 
+_ADVICE = (
+    "`x` must have a leading example axis (one input: `x[None]`), and "
+    "`apply(model, example)` return the outputs of one example, a vector (D,)."
+)
+
+
+def _applied(apply: Callable | None, model: PyTree, xi: PyTree) -> Array:
+    """One example's outputs `(D,)` (`apply=None` calls `model(example)`), with
+    the advice above where applying fails or gives another shape: JAX's message
+    alone ("matmul input operand 1 must have ndim at least 1" for an `x` without
+    its example axis) names neither `x` nor the fix."""
+    apply = _call if apply is None else apply
+    try:
+        out = apply(model, xi)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            "`eqfisher.laplace`: applying the model to one example of `x` (`x` "
+            f"sliced along its leading axis) failed ({type(e).__name__}: {e}). "
+            f"{_ADVICE}"
+        ) from e
+    if jnp.ndim(out) != 1:
+        raise ValueError(
+            "`eqfisher.laplace`: one example's outputs must be a vector (D,), got "
+            f"shape {jnp.shape(out)}. {_ADVICE}"
+        )
+    return out
+
+
 def linearise(
     posterior: Laplace,
     apply: Callable[[PyTree, PyTree], Float[Array, " out"]] | None,
@@ -24,23 +52,9 @@ def linearise(
 ) -> tuple[Float[Array, " out"], Callable, Callable]:
     """`(outputs, jvp, vjp)` of one example's outputs in the selected parameters,
     linearised at the posterior mean (`apply=None` calls `model(example)`)."""
-    apply = _call if apply is None else apply
-    advice = (
-        "`x` must have a leading example axis (one input: `x[None]`), and "
-        "`apply(model, example)` return the outputs of one example, a vector (D,)."
+    out, jvp = jax.linearize(
+        lambda t: _applied(apply, posterior.combine(t), xi), posterior.mean
     )
-    try:
-        out, jvp = jax.linearize(
-            lambda t: apply(posterior.combine(t), xi), posterior.mean
-        )
-    except (TypeError, ValueError) as e:
-        e.add_note(f"(`eqfisher.laplace`, applying the model to one example: {advice})")
-        raise
-    if jnp.ndim(out) != 1:
-        raise ValueError(
-            "`eqfisher.laplace`: one example's outputs must be a vector (D,), got "
-            f"shape {jnp.shape(out)}. {advice}"
-        )
     return out, jvp, jax.linear_transpose(jvp, posterior.mean)
 
 
@@ -151,12 +165,11 @@ def predictive_samples(
         ```
     """
     theta = posterior.mean
-    apply = _call if apply is None else apply
     samples = posterior.sample(key, num_samples)
 
     def outputs(t):
         model = posterior.combine(t)
-        return jax.vmap(lambda xi: apply(model, xi))(x)
+        return jax.vmap(lambda xi: _applied(apply, model, xi))(x)
 
     def one(sample):
         if not linearised:

@@ -379,6 +379,22 @@ def kfac_preconditioner(
     )
 
 
+def _check_damping_variant(caller: str, damping_variant) -> None:
+    if isinstance(damping_variant, AbstractDamping):
+        return
+    hint = (
+        f": call it, `{damping_variant.__name__}()`"
+        if isinstance(damping_variant, type)
+        and issubclass(damping_variant, AbstractDamping)
+        else ""
+    )
+    raise TypeError(
+        f"`eqfisher.optim.{caller}(..., damping_variant=...)`: expected an "
+        "`eqfisher.optim.AbstractDamping` instance (`FactoredTikhonov()`, the "
+        f"default, or `Tikhonov()`), got {damping_variant!r}{hint}."
+    )
+
+
 def _preconditioner(
     caller: str,
     *,
@@ -396,6 +412,7 @@ def _preconditioner(
     (still counted in `skipped_count`, as is one whose sum of squares overflows),
     for `graft`, which gives either no step."""
     check_preconditioner_args(caller, like, "damping", damping, decay, inverse_every)
+    _check_damping_variant(caller, damping_variant)
     check_range(caller, "learning_rate", learning_rate, 0.0, None, True)
     if norm_constraint is not None:
         check_range(caller, "norm_constraint", norm_constraint, 0.0, None, False)

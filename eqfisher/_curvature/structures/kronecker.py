@@ -119,8 +119,9 @@ class KFAC(AbstractKroneckerStructure):
 
     $A$ is the mean over locations of $\tilde a \tilde a^\top$ ($\tilde a = [a; 1]$
     with a bias), $G$ the sum over locations of $g g^\top$, $g$ the output cotangents
-    of the loss-weighted output vectors; for one example $G \otimes A$ is the exact
-    block (on the row-major vec of the `(out, in)` weight matrix).
+    of the loss-weighted output vectors; for one example of a layer applied at one
+    location, $G \otimes A$ is the exact block (on the row-major vec of the
+    `(out, in)` weight matrix).
 
     **Arguments:**
 
@@ -129,7 +130,9 @@ class KFAC(AbstractKroneckerStructure):
       (NeurIPS 2023). `"expand"` treats every location as an example; `"reduce"`
       first averages the inputs and sums the output cotangents over each example's
       locations. They coincide when each example has one location. The example axis
-      is the first location axis of the layer (the batch axis under `jax.vmap`).
+      is the first location axis of the layer (the batch axis under `jax.vmap`):
+      `"reduce"` refuses a batch whose examples lie along another axis
+      (`examples=eqfisher.IndependentExamples(axis=1)`).
     - `max_factor_dim`: `None` (default), or a size above which a factor (A or G)
       is kept diagonal: its diagonal, stored as a vector, as kfac_jax does for
       large embeddings and output layers. Memory and solves are then linear in that
