@@ -380,6 +380,8 @@ def kfac_preconditioner(
 
 
 def _check_damping_variant(caller: str, damping_variant) -> None:
+    """Refuses a `damping_variant` that is no damping instance when the optimiser
+    is built (a string or a class failed at `init`, naming neither)."""
     if isinstance(damping_variant, AbstractDamping):
         return
     hint = (

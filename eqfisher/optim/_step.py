@@ -167,10 +167,10 @@ def kfac_step(
     - `curvature_batch_size`: `None` (the whole batch), or n: the statistics come
       from the first n examples of every leaf of `batch` (leading axis; all of
       them where the batch has at most n), the gradient from the whole batch (one
-      extra forward and backward on n examples). It needs the examples along the leading axis: refused with
-      `IndependentExamples(axis=...)` other than 0. A loss's `mask` must have a
-      positive sum over those n examples, which the loss's check refuses
-      otherwise (padding at the front of the batch).
+      extra forward and backward on n examples). It needs the examples along the
+      leading axis: refused with `IndependentExamples(axis=...)` other than 0. A
+      loss's `mask` must have a positive sum over those n examples, which the
+      loss's check refuses otherwise (padding at the front of the batch).
     - `fast_compile`: compile `step` with `eqfisher.optim.fast_compile_options()`
       (default): on the CPU with jaxlib 0.9-0.10, its first call compiles in about
       half the time of XLA's defaults and its steps are 0-10% longer
