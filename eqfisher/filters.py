@@ -14,6 +14,7 @@ that picks no parameter raises a `ValueError` listing the model's parameter path
 
 import abc
 import re
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -366,7 +367,7 @@ def partition(model: PyTree, *wheres: AbstractFilter | PyTree) -> tuple[PyTree, 
     )
 
 
-def combine(*pytrees: PyTree) -> PyTree:
+def combine(*pytrees: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> PyTree:
     """The inverse of `partition`: `combine(*partition(model, *wheres))` is `model`.
 
     `equinox.combine` under this module's name: each leaf is the first of
@@ -375,6 +376,7 @@ def combine(*pytrees: PyTree) -> PyTree:
     **Arguments:**
 
     - `*pytrees`: PyTrees of one structure, `None` where a part has no leaf.
+    - `is_leaf`: as `equinox.combine`'s: what else counts as a leaf.
 
     **Returns:**
 
@@ -387,7 +389,7 @@ def combine(*pytrees: PyTree) -> PyTree:
         assert eqx.tree_equal(ef.filters.combine(head, rest), params)
         ```
     """
-    return eqx.combine(*pytrees)
+    return eqx.combine(*pytrees, is_leaf=is_leaf)
 
 
 def stop_gradient(model: PyTree, where: AbstractFilter | PyTree) -> PyTree:
