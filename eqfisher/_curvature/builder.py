@@ -202,11 +202,7 @@ class Builder(eqx.Module):
         blocks = self._blocks(grouping, needs, forward.processed, statistics)
         params = eqx.filter(forward.model, eqx.is_inexact_array)
         curv = _assemble(params, blocks, grouping, forward.processed, forward.selected)
-        leaves, tree = jax.tree_util.tree_flatten(curv)
-        curv = jax.tree_util.tree_unflatten(
-            tree, _not_differentiable(self.caller, leaves)
-        )
-        return curv, main
+        return _refused_derivatives(self.caller, curv), main
 
     def _main_pass(self, forward: Linearised, key) -> MainPass:
         """The forward's VJP of the estimator's output vectors: the layers' output
@@ -400,15 +396,14 @@ def _refuse_tangents(caller: str, primals, tangents):
 _not_differentiable.defjvp(_refuse_tangents, symbolic_zeros=True)
 
 
-def _refused_derivatives(caller: str, losses):
-    """The registered losses, refusing a derivative through their arrays (their
-    inputs, float targets, masks and coefficients): the estimator's vectors, made
-    from them, are held constant, so a derivative in the targets, the mask or a
-    coefficient would be zero where it is not."""
-    arrays, rest = eqx.partition(losses, eqx.is_inexact_array)
-    leaves, tree = jax.tree_util.tree_flatten(arrays)
-    guarded = jax.tree_util.tree_unflatten(tree, _not_differentiable(caller, leaves))
-    return eqx.combine(guarded, rest)
+def _refused_derivatives(caller: str, tree: PyTree) -> PyTree:
+    """`tree`, refusing a derivative through its arrays (`_not_differentiable`):
+    the curvature, and the registered losses the estimator's vectors are made
+    from (their inputs, targets, masks and coefficients), since the vectors are
+    held constant and a derivative in the targets, the mask or a coefficient
+    would otherwise be zero where it is not."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return jax.tree_util.tree_unflatten(treedef, _not_differentiable(caller, leaves))
 
 
 def _check_examples(losses, caller: str) -> None:

@@ -140,16 +140,14 @@ class Full(AbstractBlock):
         if self.eig is not None:
             values, vectors = self.eig
             return jnp.maximum(values, 0), vectors
-        values, vectors = linalg.eigh(self.matrix)
-        return jnp.maximum(values, 0), vectors
+        return _clamped_eigh(self.matrix)
 
     def solve(self, vector: Operand, damping: ScalarLike) -> Operand:
         check_operand(vector, self.structure, "Full.solve")
         damping = check_damping(damping, self.matrix.dtype)
         flat = self._flat(vector)
         if self.eig is not None:
-            values, vectors = self._clamped_eigh()
-            return self._out(vectors @ ((vectors.T @ flat) / (values + damping)))
+            return self._out(_eigen_solve(*self._clamped_eigh(), damping, flat))
         factor = self._cholesky(damping)
         ok = jnp.all(jnp.isfinite(factor))
         operands = (factor, self.matrix, damping, flat)
@@ -201,8 +199,18 @@ def _solve_by_cholesky(factor, matrix, damping, flat):
 
 def _solve_by_eigh(factor, matrix, damping, flat):
     del factor
+    return _eigen_solve(*_clamped_eigh(matrix), damping, flat)
+
+
+def _clamped_eigh(matrix: Array) -> tuple[Array, Array]:
+    """The eigendecomposition of `matrix`, negative eigenvalues (rounding) as 0."""
     values, vectors = linalg.eigh(matrix)
-    return vectors @ ((vectors.T @ flat) / (jnp.maximum(values, 0) + damping))
+    return jnp.maximum(values, 0), vectors
+
+
+def _eigen_solve(values, vectors, damping, flat) -> Array:
+    """`(V diag(values) V^T + damping I)^-1 flat`."""
+    return vectors @ ((vectors.T @ flat) / (values + damping))
 
 
 def _logdet_by_cholesky(factor, matrix, damping):
