@@ -11,7 +11,7 @@ import pytest
 
 from eqfisher import optim
 
-from .helpers import tree_allclose
+from .helpers import compiled_during, tree_allclose
 
 
 def _params(dtype=jnp.float64):
@@ -125,3 +125,28 @@ def test_leaves_without_a_dtype_are_left_to_inner():
     assert jax.tree.structure(state) == jax.tree.structure(
         optax.scale_by_adam().init(params)
     )
+
+
+@pytest.mark.parametrize("max_size", [2**17, 0], ids=["flat", "leafwise"])
+def test_init_is_one_program_run_where_the_parameters_are(max_size):
+    """Called eagerly, `init` compiles one program, not one for each leaf shape,
+    on the parameters' device, and gives optax's own state: the same values,
+    dtypes and weak types."""
+    model = eqx.nn.MLP(5, 3, 11, 2, key=jax.random.key(1))
+    params = jax.device_put(eqx.filter(model, eqx.is_inexact_array), jax.devices()[-1])
+    opt = optim.flatten_if_small(optax.scale_by_adam(), max_size=max_size)
+    compiled = compiled_during(lambda: opt.init(params))
+    assert len(compiled) == 1, compiled
+    state = opt.init(params)
+    inner = optax.scale_by_adam()
+    expected = (optax.flatten(inner) if max_size else inner).init(params)
+    assert jax.tree.structure(state) == jax.tree.structure(expected)
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(expected)):
+        assert (got.shape, got.dtype, got.weak_type) == (
+            want.shape,
+            want.dtype,
+            want.weak_type,
+        )
+        assert bool(jnp.all(got == want))
+        if got.ndim:  # the moments; optax places its count on the default device
+            assert got.devices() == {jax.devices()[-1]}

@@ -12,7 +12,7 @@ import pytest
 import eqfisher as ef
 from eqfisher import optim
 
-from .helpers import tree_allclose
+from .helpers import compiled_during, tree_allclose
 from .optim_problem import VGC, like as _like, loss_fn, problem as _problem
 
 
@@ -560,6 +560,23 @@ def test_scan_of_five_steps_equals_the_python_loop_and_compiles_once():
         (params, opt.init(params))
     )
     assert tree_allclose(scanned, carry, rtol=1e-10, atol=1e-12)
+
+
+def test_init_makes_the_states_zeros_in_one_program():
+    """Called eagerly, `init` compiles one program for all the averages' and
+    inverses' zeros, not one for each factor shape (a model of shapes no other
+    test uses, so that none is cached)."""
+    model = eqx.nn.MLP(5, 3, 13, 2, activation=jnp.tanh, key=jax.random.key(3))
+    x = jax.random.normal(jax.random.key(4), (8, 5))
+    batch = (x, jnp.arange(8) % 3)
+    like = optim.curvature_like(VGC, model, batch)
+    opt = optim.kfac(0.1, like=like, graft=None)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    compiled = compiled_during(lambda: opt.init(params))
+    assert [c for c in compiled if "_zeros_of" in c] != []
+    assert [c for c in compiled if "broadcast_in_dim" in c] == [], compiled
+    state = opt.init(params)
+    assert all(not bool(jnp.any(x)) for x in jax.tree_util.tree_leaves(state))
 
 
 def test_trained_state_loads_into_a_fresh_init(tmp_path):

@@ -1,5 +1,6 @@
 """A transformation's state as one flat vector, for models of few parameters."""
 
+import equinox as eqx
 import jax
 import numpy as np
 import optax
@@ -17,6 +18,16 @@ def _flattens(tree: PyTree, max_size: int) -> bool:
         and len(dtypes) == 1
         and None not in dtypes  # a Python number, say: left to `inner`
         and sum(int(np.size(x)) for x in leaves) <= max_size
+    )
+
+
+def _on_one_device(tree: PyTree) -> bool:
+    """Whether every leaf of `tree` is a concrete array on one device."""
+    return all(
+        isinstance(x, jax.Array)
+        and not isinstance(x, jax.core.Tracer)
+        and len(x.sharding.device_set) == 1
+        for x in jax.tree_util.tree_leaves(tree)
     )
 
 
@@ -73,16 +84,26 @@ def flatten_if_small(
             "`eqfisher.optim.flatten_if_small(max_size=...)`: a non-negative "
             f"integer (the most parameters kept as one vector), got {max_size!r}."
         )
-    flat = optax.flatten(inner)
-    leafwise = optax.with_extra_args_support(inner)
-
-    def choose(tree: PyTree) -> optax.GradientTransformationExtraArgs:
-        return flat if _flattens(tree, max_size) else leafwise
+    # Indexed by whether a tree is flattened.
+    transforms = (optax.with_extra_args_support(inner), optax.flatten(inner))
+    # Called eagerly, an init compiles a program per distinct leaf shape (each
+    # zero moment, and the flat one's reshapes and concatenation): one program
+    # instead (its leaves that are not arrays, if any, returned as they are), run
+    # on the parameters' device (`keep_unused`: an init that reads only their
+    # shapes would otherwise run on the default device).
+    compiled_inits = tuple(eqx.filter_jit(t.init, keep_unused=True) for t in transforms)
 
     def init(params):
-        return choose(params).init(params)
+        flat = _flattens(params, max_size)
+        # Arrays on several devices keep the eager init: `jax.jit` asks for a mesh
+        # context to read arrays of explicitly sharded axes.
+        if _on_one_device(params):
+            return compiled_inits[flat](params)
+        return transforms[flat].init(params)
 
     def update(updates, state, params=None, **extra):
-        return choose(updates).update(updates, state, params, **extra)
+        return transforms[_flattens(updates, max_size)].update(
+            updates, state, params, **extra
+        )
 
     return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]

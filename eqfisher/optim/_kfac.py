@@ -1,5 +1,6 @@
 """K-FAC as optax transformations: the preconditioner and the optimiser."""
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -65,8 +66,18 @@ def _invert(avg: Curvature, lam: Array, damping: AbstractDamping) -> Curvature:
         return damping.invert(avg, lam)
 
 
-def _zeros(tree: PyTree) -> PyTree:
-    return jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
+@functools.partial(jax.jit, static_argnums=0)
+def _zeros_of(specs: tuple[tuple[tuple[int, ...], np.dtype], ...]) -> list[Array]:
+    return [jnp.zeros(shape, dtype) for shape, dtype in specs]
+
+
+def _zeros(*trees: PyTree) -> list[PyTree]:
+    """Zeros shaped as `trees`' leaves, made by one compiled program: called
+    eagerly, `init` otherwise compiled a program per distinct shape (0.1 s of its
+    0.2 s on a three-layer MLP)."""
+    leaves, treedef = jax.tree_util.tree_flatten(trees)
+    specs = tuple((tuple(x.shape), np.dtype(x.dtype)) for x in leaves)
+    return list(jax.tree_util.tree_unflatten(treedef, _zeros_of(specs)))
 
 
 def initial_state(like: Curvature, lam: Array, damping: AbstractDamping) -> KFACState:
@@ -76,8 +87,8 @@ def initial_state(like: Curvature, lam: Array, damping: AbstractDamping) -> KFAC
     # before the first finite estimate (`precondition` gives no step until then),
     # and that estimate always refreshes it (`fold`).
     inverse = jax.eval_shape(lambda c: _invert(c, lam, damping), avg)
-    zero = jnp.zeros((), jnp.int32)
-    return KFACState(zero, zero, zero, zero, zero, _zeros(avg), _zeros(inverse))
+    zero, avg, inverse = _zeros(jax.ShapeDtypeStruct((), jnp.int32), avg, inverse)
+    return KFACState(zero, zero, zero, zero, zero, avg, inverse)
 
 
 def _checked_inverse_every(caller: str, inverse_every, carrier: Array) -> Array:
