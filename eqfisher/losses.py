@@ -497,7 +497,10 @@ def register_loss(
             (mask < 0) | ~jnp.isfinite(mask) | (jnp.sum(mask) <= 0),
             f"`{caller}(..., mask=...)`: `mask` must be finite and >= 0 with a "
             "positive sum (the value is sum(mask * loss) / sum(mask)); a negative "
-            "weight makes the curvature indefinite. Give padding weight 0. (Under "
+            "weight makes the curvature indefinite. Give padding weight 0. (The "
+            "functions of `eqfisher.influence` call `loss_fn` on one example at a "
+            "time, where a padded example alone has a mask of sum 0: leave padded "
+            "examples out of the batches given to them. Under "
             "`eqfisher.optim.kfac_step(..., curvature_batch_size=n)` the "
             "statistics' loss is that of the first n examples: their mask needs a "
             "positive sum too.)",

@@ -105,6 +105,68 @@ def test_a_tuple_loss_without_has_aux_names_kfac_step():
         step(model, opt.init(_params(model)), batch)
 
 
+def _policy_gradient_loss(model, batch):
+    """A natural policy gradient's `(loss, surrogate)`: the registered loss of the
+    actions taken (whose curvature is the policy's Fisher) and the
+    advantage-weighted log-likelihood, advantages of either sign."""
+    x, actions = batch
+    logits = jax.vmap(model)(x)
+    advantages = jnp.where(actions == 0, 1.0, -0.5) * jnp.linspace(0.2, 1.0, len(x))
+    log_p = jnp.take_along_axis(jax.nn.log_softmax(logits), actions[:, None], -1)
+    return ef.softmax_cross_entropy(logits, actions), -jnp.mean(
+        advantages * log_p[:, 0]
+    )
+
+
+@pytest.mark.parametrize("curvature_batch_size", [None, 16])
+def test_surrogate_steps_along_the_surrogates_preconditioned_gradient(
+    curvature_batch_size,
+):
+    """`surrogate=True`: each step is the hand-written loop's with
+    `value_grad_and_curvature(surrogate=True)` (the statistics from the first 16
+    examples where asked), and the value is the registered loss."""
+    model, batch = problem()
+    vgc = ef.value_grad_and_curvature(
+        _policy_gradient_loss, estimator=ef.GGN(), structure=ef.KFAC(), surrogate=True
+    )
+    opt = optim.kfac(0.1, like=optim.curvature_like(vgc, model, batch))
+    step = _step(
+        _policy_gradient_loss,
+        opt,
+        surrogate=True,
+        curvature_batch_size=curvature_batch_size,
+    )
+    got, _, values = _run(step, opt, model, batch, 3)
+    if curvature_batch_size is None:
+        by_hand = vgc
+    else:
+
+        def by_hand(model, batch):
+            sub = jax.tree_util.tree_map(lambda a: a[:curvature_batch_size], batch)
+            _, _, curv = vgc(model, sub)
+            value, grads, _ = vgc(model, batch)
+            return value, grads, curv
+
+    want, losses = _by_hand(by_hand, opt, model, batch, 3)
+    assert tree_allclose(_params(got), _params(want), rtol=1e-10, atol=1e-12)
+    for value, loss in zip(values, losses):
+        np.testing.assert_allclose(value, loss, rtol=1e-10)
+    # Not the step the registered loss's own gradient gives.
+    plain, _, _ = _run(_step(loss_fn, opt), opt, model, batch, 3)
+    assert not tree_allclose(_params(got), _params(plain), rtol=1e-3, atol=1e-3)
+
+
+def test_a_tuple_loss_without_surrogate_names_it(unchecked):
+    del unchecked
+    model, batch = problem()
+    opt = optim.kfac(0.1, like=optim.curvature_like(_vgc(), model, batch))
+    step = _step(_policy_gradient_loss, opt)
+    with pytest.raises(TypeError, match=r"kfac_step.*surrogate=True"):
+        step(model, opt.init(_params(model)), batch)
+    with pytest.raises(ValueError, match="at most one of `has_aux` and `surrogate`"):
+        _step(_policy_gradient_loss, opt, has_aux=True, surrogate=True)
+
+
 def test_has_aux_must_be_a_bool(unchecked):
     opt = optim.kfac(0.1, like=optim.curvature_like(_vgc(), *problem()))
     with pytest.raises(TypeError, match=r"kfac_step\(has_aux=...\)"):

@@ -814,6 +814,22 @@ def test_masks_that_are_not_weights_are_refused(mask):
         )
 
 
+def test_a_padded_example_given_to_influence_alone_says_to_leave_it_out():
+    # `self_influence` calls `loss_fn` on one example at a time: a padded one has a
+    # mask of sum 0 there, and the message only said "Give padding weight 0".
+    model, (x, y) = _problem()
+    mask = jnp.ones(N).at[-1].set(0.0)
+
+    def masked(model, batch):
+        x, y, mask = batch
+        return ef.softmax_cross_entropy(jax.vmap(model)(x), y, mask=mask)
+
+    with pytest.raises(eqx.EquinoxRuntimeError, match="leave padded examples out"):
+        ef.influence.self_influence(
+            masked, model, (x, y, mask), ef.influence.Identity()
+        )
+
+
 @pytest.mark.parametrize("structure", [ef.Dense(), ef.Diagonal(), ef.KFAC()], ids=repr)
 def test_integer_vectors_are_refused(structure):
     # A basis vector eᵢ in int32 came back from `mv` as int32 zeros.

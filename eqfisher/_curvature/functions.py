@@ -185,6 +185,7 @@ def value_grad_then_curvature(
     estimator: AbstractEstimator,
     structure: AbstractStructure,
     has_aux: bool = False,
+    surrogate: bool = False,
     where: AbstractFilter | PyTree | None = None,
     examples: AbstractExamples = IndependentExamples(),  # noqa: B008 (an immutable Module)
     caller: str = "eqfisher.value_grad_and_curvature",
@@ -194,15 +195,15 @@ def value_grad_then_curvature(
 
     `fn(model, batch, key=None) -> (value, grads, curvature)`, called inside jit,
     runs the forward of the whole batch and the gradient (`value` is `(loss, aux)`
-    with `has_aux`); `curvature()` the rest of `value_grad_and_curvature`'s work,
+    with `has_aux`; with `surrogate`, the loss, and the surrogate's gradient); `curvature()` the rest of `value_grad_and_curvature`'s work,
     from the same forward, and returns its `Curvature`. Called inside a
     `lax.cond`, only that rest is conditional: the model is compiled once, its
     forward's residuals are the `cond`'s operands. `caller` is the name errors give.
     """
     staged = StagedLoss(
-        loss_fn, caller, _returns(caller, has_aux, False), takes_has_aux=True
+        loss_fn, caller, _returns(caller, has_aux, surrogate), takes_has_aux=True
     )
-    cotangent_fn = functools.partial(_cotangents, which=0)
+    cotangent_fn = functools.partial(_cotangents, which=1 if surrogate else 0)
     builder = Builder(staged, estimator, structure, where, caller, examples)
 
     def fn(model, batch, key=None):

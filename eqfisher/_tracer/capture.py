@@ -268,14 +268,15 @@ def _check_returns(
     is_pair = isinstance(out, (tuple, list)) and len(out) == 2
     if returns == "loss" and isinstance(out, (tuple, list)):
         fix = (
-            "pass `has_aux=True`"
+            "pass `has_aux=True` (`has_aux`); for `(loss, gradient_surrogate)`, "
+            "`surrogate=True`"
             if takes_has_aux
-            else "return only the loss (e.g. `lambda m, b: loss_fn(m, b)[0]`)"
+            else "return only the loss (e.g. `lambda m, b: loss_fn(m, b)[0]`) "
+            "(`has_aux`)"
         )
         raise TypeError(
             f"`{caller}`: `loss_fn` returned a {type(out).__name__} of "
-            f"{len(out)} items, expected a scalar loss; for `(loss, aux)` {fix} "
-            "(`has_aux`)."
+            f"{len(out)} items, expected a scalar loss; for `(loss, aux)` {fix}."
         )
     if returns != "loss" and not is_pair:
         flag = "has_aux=True" if returns == "aux" else "surrogate=True"

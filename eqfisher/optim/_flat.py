@@ -2,6 +2,7 @@
 
 import equinox as eqx
 import jax
+import jax.core
 import numpy as np
 import optax
 from jaxtyping import PyTree
@@ -91,7 +92,11 @@ def flatten_if_small(
     # instead (its leaves that are not arrays, if any, returned as they are), run
     # on the parameters' device (`keep_unused`: an init that reads only their
     # shapes would otherwise run on the default device).
-    compiled_inits = tuple(eqx.filter_jit(t.init, keep_unused=True) for t in transforms)
+    # (`filter_jit` passes `keep_unused` on to `jax.jit`; its overloads omit it.)
+    compiled_inits = tuple(
+        eqx.filter_jit(t.init, keep_unused=True)  # pyright: ignore[reportCallIssue]
+        for t in transforms
+    )
 
     def init(params):
         flat = _flattens(params, max_size)

@@ -120,6 +120,25 @@ def _due(period: int, opt_state: PyTree) -> int | None:
     return None if period == 1 else period
 
 
+def _value_and_grad(loss_fn: Callable, has_aux: bool, surrogate: bool) -> Callable:
+    """`eqx.filter_value_and_grad(loss_fn, has_aux=has_aux)`; with `surrogate`,
+    the loss of `loss_fn`'s `(loss, surrogate)` and the surrogate's gradient."""
+    if not surrogate:
+        return eqx.filter_value_and_grad(loss_fn, has_aux=has_aux)
+
+    def swapped(model, batch):
+        loss, gradient_surrogate = loss_fn(model, batch)
+        return gradient_surrogate, loss
+
+    surrogate_grad = eqx.filter_value_and_grad(swapped, has_aux=True)
+
+    def value_and_grad(model, batch):
+        (_, loss), grads = surrogate_grad(model, batch)
+        return loss, grads
+
+    return value_and_grad
+
+
 def kfac_step(
     loss_fn: Callable,
     optimiser: optax.GradientTransformationExtraArgs,
@@ -129,6 +148,7 @@ def kfac_step(
     curvature_update_period: int = 2,
     curvature_batch_size: int | None = None,
     has_aux: bool = False,
+    surrogate: bool = False,
     where: AbstractFilter | PyTree | None = None,
     examples: AbstractExamples = IndependentExamples(),  # noqa: B008 (an immutable Module)
     fast_compile: bool = True,
@@ -148,12 +168,15 @@ def kfac_step(
     **Arguments:**
 
     - `loss_fn`: `loss_fn(model, batch)`, returning a scalar, or `(loss, aux)`
-      with `has_aux=True`.
+      with `has_aux=True`, or `(loss, gradient_surrogate)` with `surrogate=True`:
+      the step follows the surrogate's gradient preconditioned by the registered
+      losses' curvature (a natural policy gradient, as ACKTR's), and `value` is
+      the loss.
     - `optimiser`: a transformation containing one K-FAC preconditioner (`kfac`,
       `kfac_preconditioner` inside an `optax.chain`, ...), built with a `like=`
       from the same `loss_fn`, `estimator` and `structure`.
-    - `estimator`, `structure`, `has_aux`, `where`, `examples`: as for
-      `eqfisher.value_grad_and_curvature`. With `where=`, the curvature covers the
+    - `estimator`, `structure`, `has_aux`, `surrogate`, `where`, `examples`: as
+      for `eqfisher.value_grad_and_curvature`. With `where=`, the curvature covers the
       parameters it selects, and `optimiser` gets the gradients of all of them:
       compose it so that K-FAC sees only those, e.g.
       `optax.chain(optax.masked(kfac, mask), optax.masked(optax.adam(1e-3), rest))`
@@ -199,8 +222,9 @@ def kfac_step(
 
     `ValueError` when `curvature_update_period` or `curvature_batch_size` is not a
     positive integer, or `curvature_batch_size` is given with examples along
-    another axis than the leading one; `TypeError` when `has_aux`, `fast_compile`
-    or `donate` is not a bool, or `examples` is not an examples kind;
+    another axis than the leading one, or both `has_aux` and `surrogate` are set;
+    `TypeError` when `has_aux`, `surrogate`, `fast_compile` or `donate` is not a
+    bool, or `examples` is not an examples kind;
     at the first step, when `optimiser`'s state holds no K-FAC state, when
     `optimiser` returns some leaves' gradients unchanged as their updates
     (`optax.masked(kfac, mask)` alone), and the errors of
@@ -228,19 +252,21 @@ def kfac_step(
         _check_leading(examples)
     for name, flag in (
         ("has_aux", has_aux),
+        ("surrogate", surrogate),
         ("fast_compile", fast_compile),
         ("donate", donate),
     ):
         if not isinstance(flag, bool):
             raise TypeError(f"`{caller}({name}=...)`: True or False, got {flag!r}.")
-    options = {"has_aux": has_aux, "where": where, "examples": examples}
+    options = {"has_aux": has_aux, "surrogate": surrogate, "where": where}
+    options["examples"] = examples
     vgc = value_grad_and_curvature(
         loss_fn, estimator=estimator, structure=structure, **options
     )
     then = value_grad_then_curvature(
         loss_fn, estimator=estimator, structure=structure, caller=caller, **options
     )
-    value_and_grad = eqx.filter_value_and_grad(loss_fn, has_aux=has_aux)
+    value_and_grad = _value_and_grad(loss_fn, has_aux, surrogate)
 
     def step(model, opt_state, batch, key=None):
         period = curvature_update_period
