@@ -374,3 +374,11 @@ def test_bad_periods_and_sizes_name_the_step_once(name, value):
     with pytest.raises(ValueError) as info:
         _step(loss_fn, opt, **{name: value})
     assert str(info.value).startswith(f"`eqfisher.optim.kfac_step(..., {name}=...)`")
+
+
+def test_adaptive_kfac_in_kfac_step_points_to_the_hand_written_step():
+    model, batch = problem()
+    opt = optim.kfac_adaptive(like=optim.curvature_like(_vgc(), model, batch))
+    step = _step(loss_fn, opt)
+    with pytest.raises(ValueError, match=r"`eqfisher.optim.kfac_step` does not give"):
+        step(model, opt.init(_params(model)), batch)
