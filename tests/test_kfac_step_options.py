@@ -376,9 +376,33 @@ def test_bad_periods_and_sizes_name_the_step_once(name, value):
     assert str(info.value).startswith(f"`eqfisher.optim.kfac_step(..., {name}=...)`")
 
 
-def test_adaptive_kfac_in_kfac_step_points_to_the_hand_written_step():
+@pytest.mark.parametrize("has_aux", [False, True])
+def test_adaptive_kfac_steps_as_the_hand_written_step(has_aux):
+    """`kfac_step` gives `kfac_adaptive`'s update the batch's quadratic model: the
+    steps of docs/optim.md's hand-written loop, the damping adapted alike."""
+    model, batch = problem()
+    opt = optim.kfac_adaptive(
+        like=optim.curvature_like(_vgc(), model, batch), adapt_every=2
+    )
+    loss = _loss_and_accuracy if has_aux else loss_fn
+    step = _step(loss, opt, has_aux=has_aux, curvature_update_period=1)
+    got, state, _ = _run(step, opt, model, batch, 4)
+    vgc, want, expected = _vgc(), model, opt.init(_params(model))
+    for _ in range(4):
+        _, grads, curv = vgc(want, batch)
+        quadratic = optim.quadratic_model(loss_fn, want, batch)
+        updates, expected = opt.update(
+            grads, expected, _params(want), curvature=curv, quadratic=quadratic
+        )
+        want = eqx.apply_updates(want, updates)
+    assert tree_allclose(_params(got), _params(want), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(state.steps.damping, expected.steps.damping)
+    assert float(state.steps.damping) != 1.0  # adapted from `initial_damping`
+
+
+def test_adaptive_kfac_with_a_surrogate_is_refused():
     model, batch = problem()
     opt = optim.kfac_adaptive(like=optim.curvature_like(_vgc(), model, batch))
-    step = _step(loss_fn, opt)
-    with pytest.raises(ValueError, match=r"`eqfisher.optim.kfac_step` does not give"):
+    step = _step(_policy_gradient_loss, opt, surrogate=True)
+    with pytest.raises(ValueError, match="surrogate=True.*kfac_adaptive"):
         step(model, opt.init(_params(model)), batch)

@@ -112,9 +112,8 @@ def adaptive_steps(
         if not isinstance(quadratic, QuadraticModel) or grads is None:
             raise ValueError(
                 "adaptive K-FAC needs `quadratic=eqfisher.optim.quadratic_model(loss_fn,"
-                " model, batch)` in `update(...)`. `eqfisher.optim.kfac_step` does not "
-                "give it one: write the step by hand, as in `kfac_adaptive`'s example "
-                '(docs/optim.md, "Adaptive K-FAC").'
+                " model, batch)` in `update(...)` (`eqfisher.optim.kfac_step` "
+                "gives it one)."
             )
         delta, prev = updates, state.previous
         vectors = [delta, prev]

@@ -18,7 +18,9 @@ from .._curvature import (
     value_grad_then_curvature,
 )
 from ..filters import AbstractFilter
+from ._adaptive_kfac import AdaptiveKFACState
 from ._compile import fast_compile_options, filter_jit_with_options
+from ._quadratic_model import quadratic_model
 from ._state import check_positive_int, find_kfac_state
 
 
@@ -120,6 +122,49 @@ def _due(period: int, opt_state: PyTree) -> int | None:
     return None if period == 1 else period
 
 
+def _check_step_args(
+    caller: str,
+    curvature_update_period: int,
+    curvature_batch_size: int | None,
+    examples: AbstractExamples,
+    **flags: bool,
+) -> None:
+    check_positive_int("kfac_step", "curvature_update_period", curvature_update_period)
+    check_examples(caller, examples)
+    if curvature_batch_size is not None:
+        check_positive_int("kfac_step", "curvature_batch_size", curvature_batch_size)
+        _check_leading(examples)
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"`{caller}({name}=...)`: True or False, got {flag!r}.")
+
+
+def _quadratic_model_if_adaptive(
+    loss_fn: Callable, has_aux: bool, surrogate: bool, opt_state, model, batch
+) -> dict:
+    """`{"quadratic": ...}`, the batch's quadratic model, where `opt_state` holds
+    `kfac_adaptive`'s state (its update needs one); else nothing, and nothing
+    traced."""
+    adaptive = [
+        s
+        for s in jax.tree_util.tree_leaves(
+            opt_state, is_leaf=lambda x: isinstance(x, AdaptiveKFACState)
+        )
+        if isinstance(s, AdaptiveKFACState)
+    ]
+    if not adaptive:
+        return {}
+    if surrogate:
+        raise ValueError(
+            "`eqfisher.optim.kfac_step(..., surrogate=True)` with "
+            "`eqfisher.optim.kfac_adaptive`: its step lengths and damping come from "
+            "the quadratic model of the loss, but the gradient would be the "
+            "surrogate's. Use `eqfisher.optim.kfac` for a surrogate."
+        )
+    loss = (lambda m, b: loss_fn(m, b)[0]) if has_aux else loss_fn
+    return {"quadratic": quadratic_model(loss, model, batch)}
+
+
 def _value_and_grad(loss_fn: Callable, has_aux: bool, surrogate: bool) -> Callable:
     """`eqx.filter_value_and_grad(loss_fn, has_aux=has_aux)`; with `surrogate`,
     the loss of `loss_fn`'s `(loss, surrogate)` and the surrogate's gradient."""
@@ -173,8 +218,10 @@ def kfac_step(
       losses' curvature (a natural policy gradient, as ACKTR's), and `value` is
       the loss.
     - `optimiser`: a transformation containing one K-FAC preconditioner (`kfac`,
-      `kfac_preconditioner` inside an `optax.chain`, ...), built with a `like=`
-      from the same `loss_fn`, `estimator` and `structure`.
+      `kfac_adaptive`, `kfac_preconditioner` inside an `optax.chain`, ...), built
+      with a `like=` from the same `loss_fn`, `estimator` and `structure`. For
+      `kfac_adaptive` the step also gives the update the batch's quadratic model
+      (`quadratic_model(loss_fn, model, batch)`: two GGN products a step).
     - `estimator`, `structure`, `has_aux`, `surrogate`, `where`, `examples`: as
       for `eqfisher.value_grad_and_curvature`. With `where=`, the curvature covers the
       parameters it selects, and `optimiser` gets the gradients of all of them:
@@ -245,19 +292,16 @@ def kfac_step(
         ```
     """
     caller = "eqfisher.optim.kfac_step"
-    check_positive_int("kfac_step", "curvature_update_period", curvature_update_period)
-    check_examples(caller, examples)
-    if curvature_batch_size is not None:
-        check_positive_int("kfac_step", "curvature_batch_size", curvature_batch_size)
-        _check_leading(examples)
-    for name, flag in (
-        ("has_aux", has_aux),
-        ("surrogate", surrogate),
-        ("fast_compile", fast_compile),
-        ("donate", donate),
-    ):
-        if not isinstance(flag, bool):
-            raise TypeError(f"`{caller}({name}=...)`: True or False, got {flag!r}.")
+    _check_step_args(
+        caller,
+        curvature_update_period,
+        curvature_batch_size,
+        examples,
+        has_aux=has_aux,
+        surrogate=surrogate,
+        fast_compile=fast_compile,
+        donate=donate,
+    )
     options = {"has_aux": has_aux, "surrogate": surrogate, "where": where}
     options["examples"] = examples
     vgc = value_grad_and_curvature(
@@ -285,6 +329,9 @@ def kfac_step(
         # when `due` is None: statistics every step).
         # `value=`: for transformations that read the loss, such as
         # `optax.contrib.reduce_on_plateau`.
+        quadratic = _quadratic_model_if_adaptive(
+            loss_fn, has_aux, surrogate, opt_state, model, batch
+        )
         try:
             updates, opt_state = optimiser.update(
                 grads,
@@ -293,6 +340,7 @@ def kfac_step(
                 curvature=curvature,
                 curvature_due=due,
                 value=value[0] if has_aux else value,
+                **quadratic,
             )
         except (ValueError, TypeError) as error:
             _check_state_of(optimiser, params, opt_state, error)
