@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.core
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool
 
 
@@ -56,8 +57,22 @@ def check_count(value: int, name: str, caller: str, *, minimum: int = 1) -> None
     """`value` an int (not a bool) of at least `minimum`."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(
-            f"`{caller}({name}=...)` must be an integer >= {minimum}, got {value!r}."
+            f"`{caller}({name}=...)` must be an integer >= {minimum}, got {value!r}"
+            f"{int_hint(value)}."
         )
+
+
+def int_hint(value) -> str:
+    """Advice for a count given as a NumPy or JAX integer (a shape fixed when
+    traced: it must be a Python int), or '' for anything else."""
+    if isinstance(value, jax.core.Tracer):
+        return (
+            " (a NumPy or JAX integer, traced: counts fix shapes, so pass a Python "
+            "int, `int(...)`)"
+        )
+    if isinstance(value, (np.integer, jax.Array)) and not isinstance(value, bool):
+        return " (a NumPy or JAX integer: pass a Python int, `int(...)`)"
+    return ""
 
 
 def _carried(carrier: _Carrier, zero) -> _Carrier:
@@ -106,6 +121,19 @@ def _check_message(error: str) -> str | None:
     return error[start : end if end >= 0 else None].strip()
 
 
+_FILTER_JIT_CHECK = "EquinoxRuntimeError: "
+_FILTER_JIT_END = "\n\n-------------------\n"
+
+
+def _filter_jit_message(error: str) -> str | None:
+    """The failed check's message in `eqx.filter_jit`'s error, if it has one."""
+    start = error.find(_FILTER_JIT_CHECK)
+    end = error.find(_FILTER_JIT_END, start)
+    if start < 0 or end < 0:
+        return None
+    return error[start + len(_FILTER_JIT_CHECK) : end].strip()
+
+
 class _ChecksSurfaced:
     """The context manager `checks_surfaced` returns (a class: entered at every
     `kfac_step` call, where a generator's would cost 0.7 µs more)."""
@@ -115,7 +143,13 @@ class _ChecksSurfaced:
 
     def __exit__(self, kind, error, traceback) -> None:
         _callback_log.removeFilter(_quiet_check)
-        if isinstance(error, (ValueError, jax.errors.JaxRuntimeError)):
+        if isinstance(error, eqx.EquinoxRuntimeError):
+            # From a function compiled by `eqx.filter_jit`: the message between
+            # its traceback and its debugging advice.
+            message = _filter_jit_message(str(error))
+            if message is not None:
+                raise eqx.EquinoxRuntimeError(message) from None
+        elif isinstance(error, (ValueError, jax.errors.JaxRuntimeError)):
             message = _check_message(str(error))
             if message is not None:
                 raise eqx.EquinoxRuntimeError(message) from None

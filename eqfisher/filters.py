@@ -19,7 +19,9 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import PyTree
 
 
@@ -228,6 +230,25 @@ def _leaves_with_nodes(tree: PyTree) -> list[tuple[_KeyPath, Any, tuple[Any, ...
     return out
 
 
+def _refuse_arrays(spec: Any, call: str, name: str) -> None:
+    """Refuses a filter spec holding an array of booleans (one per weight, not per
+    leaf), which `eqx.filter` reports as "traced" under `jit`."""
+    arrays = [
+        jtu.keystr(path)
+        for path, leaf in jtu.tree_flatten_with_path(spec)[0]
+        if eqx.is_array(leaf)
+        and (isinstance(leaf, jax.core.Tracer) or np.ndim(leaf) > 0)
+    ]
+    if arrays:
+        raise ValueError(
+            f"`{call}`: `{name}` holds an array at {arrays[0] or '(the root)'}: a "
+            "filter spec marks whole parameter leaves, `True`/`False` (or a callable) "
+            "for each; eqfisher does not select single entries of a leaf (a "
+            "subnetwork of chosen weights, as laplace-torch's `SubnetLaplace`). "
+            "Select whole leaves, e.g. one layer's weight."
+        )
+
+
 def _mask(model: PyTree, where: Any, call: str, name: str) -> PyTree[bool]:
     call = f"eqfisher.filters.{call}"
     if isinstance(where, AbstractFilter):
@@ -240,6 +261,7 @@ def _mask(model: PyTree, where: Any, call: str, name: str) -> PyTree[bool]:
                 f"pass `eqfisher.filters.by_path({where!r})`."
             )
         where = _none_as_false(where, model)
+        _refuse_arrays(where, call, name)
         sentinel = object()
         try:
             kept = eqx.filter(model, where, replace=sentinel)

@@ -418,6 +418,27 @@ def influence_scores(
     _check_call("influence_scores", inverse, {"train": train, "query": query}, sizes)
     grad = _gradient_fn(loss_fn, model, where, "influence_scores")
     _check_operand(inverse, grad, query, "influence_scores")
+    # A check that fails in the compiled call (CG not converged) is raised as
+    # Equinox's error.
+    with _refusal.checks_surfaced():
+        return _scores(loss_fn, model, train, query, inverse, where, **sizes)
+
+
+# Compiled, with the functions it passes to `lax.map` made inside: called outside
+# `jit`, each `lax.map` of a new closure was compiled again at every call.
+@eqx.filter_jit
+def _scores(
+    loss_fn,
+    model,
+    train,
+    query,
+    inverse,
+    where,
+    chunk_size,
+    query_chunk_size,
+    query_rank,
+):
+    grad = _gradient_fn(loss_fn, model, where, "influence_scores")
 
     def precondition(q):
         leaves = jax.tree_util.tree_leaves(inverse.solve(grad(q)))
@@ -427,11 +448,8 @@ def influence_scores(
         g = grad(example)
         return jax.vmap(lambda s: _factored_dot(s, g))(solved)
 
-    # Called outside any `jit`, each `lax.map` is compiled by jax: a check that
-    # fails in it (CG not converged) is raised as Equinox's error.
-    with _refusal.checks_surfaced():
-        solved = jax.lax.map(precondition, query, batch_size=query_chunk_size)
-        return jax.lax.map(row, train, batch_size=chunk_size).T
+    solved = jax.lax.map(precondition, query, batch_size=query_chunk_size)
+    return jax.lax.map(row, train, batch_size=chunk_size).T
 
 
 def self_influence(
@@ -470,10 +488,16 @@ def self_influence(
     _check_call("self_influence", inverse, {"train": train}, {"chunk_size": chunk_size})
     grad = _gradient_fn(loss_fn, model, where, "self_influence")
     _check_operand(inverse, grad, train, "self_influence")
+    with _refusal.checks_surfaced():  # as in `influence_scores`
+        return _self_scores(loss_fn, model, train, inverse, where, chunk_size)
+
+
+@eqx.filter_jit  # as `_scores`
+def _self_scores(loss_fn, model, train, inverse, where, chunk_size):
+    grad = _gradient_fn(loss_fn, model, where, "self_influence")
 
     def one(example):
         g = grad(example)
         return optax.tree_utils.tree_vdot(g, inverse.solve(g))
 
-    with _refusal.checks_surfaced():  # as in `influence_scores`
-        return jax.lax.map(one, train, batch_size=chunk_size)
+    return jax.lax.map(one, train, batch_size=chunk_size)

@@ -108,3 +108,38 @@ def test_configure_as_a_statement_takes_effect():
         ef.configure(max_unroll=9)
         assert ef.current_config().max_unroll == 9
     assert ef.current_config().max_unroll == 128  # the block restores
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: ef.FisherMC(samples=m),
+        lambda m: ef.KFAC(max_factor_dim=m),
+        lambda m: ef.spectral.Hutchinson(matvecs=m),
+        lambda m: ef.spectral.top_eigenpairs(
+            ef.ggn_operator(loss_fn, *problem()), m, key=jax.random.key(0)
+        ),
+    ],
+    ids=["samples", "max_factor_dim", "matvecs", "k"],
+)
+def test_a_numpy_integer_count_is_told_to_be_a_python_int(unchecked, make):
+    # It said only "must be an integer ..., got np.int64(4)" (for `k`, got a
+    # traced array).
+    del unchecked
+    with pytest.raises(ValueError, match=r"pass a Python int, `int\(...\)`"):
+        make(np.int64(4))
+
+
+def test_a_where_of_boolean_arrays_says_it_selects_whole_leaves(unchecked):
+    # `eqx.filter` called the user's NumPy array traced under `jit`.
+    del unchecked
+    model, batch = problem()
+    spec = jax.tree_util.tree_map(
+        lambda p: False, eqx.filter(model, eqx.is_inexact_array)
+    )
+    chosen = np.zeros(model.layers[1].weight.shape, bool)
+    spec = eqx.tree_at(lambda s: s.layers[1].weight, spec, chosen)
+    with pytest.raises(ValueError, match=r"holds an array at .layers\[1\].weight"):
+        ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=ef.Dense(), where=spec
+        )

@@ -312,3 +312,20 @@ def test_arguments_of_the_wrong_kind_are_named(unchecked):
             inf.influence_scores(
                 loss_fn, model, train, query, inf.Identity(), **{name: value}
             )
+
+
+def test_scores_compile_once_for_repeated_calls():
+    # Each call compiled its `lax.map`s again (0.5-1 s a call).
+    from .helpers import compiled_during
+
+    model, train, query = setup()
+    inverse = ef.influence.Identity()
+    calls = {
+        "scores": lambda: ef.influence.influence_scores(
+            loss_fn, model, train, query, inverse
+        ),
+        "self": lambda: ef.influence.self_influence(loss_fn, model, train, inverse),
+    }
+    for call in calls.values():
+        call()
+        assert compiled_during(call) == []

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._refusal import int_hint
 from .._tracer import RegisteredLoss
 
 
@@ -230,7 +231,7 @@ class FisherMC(AbstractEstimator):
         if not isinstance(self.samples, int) or self.samples < 1:
             raise ValueError(
                 f"`eqfisher.FisherMC(samples=...)`: `samples` must be a positive int, "
-                f"got {self.samples!r}."
+                f"got {self.samples!r}{int_hint(self.samples)}."
             )
 
     def output_vectors(self, loss, key):

@@ -7,6 +7,7 @@ import equinox as eqx
 import jax
 
 from ... import filters
+from ..._refusal import int_hint
 from ...blocks import AbstractBlock
 from .protocol import (
     AbstractStructure,
@@ -156,7 +157,7 @@ class KFAC(AbstractKroneckerStructure):
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise ValueError(
                 "`eqfisher.KFAC(max_factor_dim=...)`: expected None or a positive "
-                f"int, got {m!r}."
+                f"int, got {m!r}{int_hint(m)}."
             )
 
     def kronecker_needs(self):
