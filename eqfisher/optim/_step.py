@@ -129,6 +129,7 @@ def _check_step_args(
     examples: AbstractExamples,
     **flags: bool,
 ) -> None:
+    """`kfac_step`'s checks of its arguments, before anything is traced."""
     check_positive_int("kfac_step", "curvature_update_period", curvature_update_period)
     check_examples(caller, examples)
     if curvature_batch_size is not None:
@@ -302,8 +303,12 @@ def kfac_step(
         fast_compile=fast_compile,
         donate=donate,
     )
-    options = {"has_aux": has_aux, "surrogate": surrogate, "where": where}
-    options["examples"] = examples
+    options = {
+        "has_aux": has_aux,
+        "surrogate": surrogate,
+        "where": where,
+        "examples": examples,
+    }
     vgc = value_grad_and_curvature(
         loss_fn, estimator=estimator, structure=structure, **options
     )
