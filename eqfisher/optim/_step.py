@@ -166,6 +166,40 @@ def _quadratic_model_if_adaptive(
     return {"quadratic": quadratic_model(loss, model, batch)}
 
 
+def _curvature_functions(
+    loss_fn: Callable,
+    estimator: AbstractEstimator,
+    structure: AbstractStructure,
+    caller: str,
+    has_aux: bool,
+    surrogate: bool,
+    where: AbstractFilter | PyTree | None,
+    examples: AbstractExamples,
+) -> tuple[Callable, Callable]:
+    """`value_grad_and_curvature` (for a sub-batch's statistics) and
+    `value_grad_then_curvature` (the statistics from the step's own forward)."""
+    options = {"has_aux": has_aux, "surrogate": surrogate}
+    return (
+        value_grad_and_curvature(
+            loss_fn,
+            estimator=estimator,
+            structure=structure,
+            where=where,
+            examples=examples,
+            **options,
+        ),
+        value_grad_then_curvature(
+            loss_fn,
+            estimator=estimator,
+            structure=structure,
+            where=where,
+            examples=examples,
+            caller=caller,
+            **options,
+        ),
+    )
+
+
 def _value_and_grad(loss_fn: Callable, has_aux: bool, surrogate: bool) -> Callable:
     """`eqx.filter_value_and_grad(loss_fn, has_aux=has_aux)`; with `surrogate`,
     the loss of `loss_fn`'s `(loss, surrogate)` and the surrogate's gradient."""
@@ -303,17 +337,8 @@ def kfac_step(
         fast_compile=fast_compile,
         donate=donate,
     )
-    options = {
-        "has_aux": has_aux,
-        "surrogate": surrogate,
-        "where": where,
-        "examples": examples,
-    }
-    vgc = value_grad_and_curvature(
-        loss_fn, estimator=estimator, structure=structure, **options
-    )
-    then = value_grad_then_curvature(
-        loss_fn, estimator=estimator, structure=structure, caller=caller, **options
+    vgc, then = _curvature_functions(
+        loss_fn, estimator, structure, caller, has_aux, surrogate, where, examples
     )
     value_and_grad = _value_and_grad(loss_fn, has_aux, surrogate)
 
