@@ -10,7 +10,6 @@ import equinox as eqx
 import jax
 import jax.core
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Bool
 
 
@@ -65,14 +64,15 @@ def check_count(value: int, name: str, caller: str, *, minimum: int = 1) -> None
 def int_hint(value) -> str:
     """Advice for a count given as a NumPy or JAX integer (a shape fixed when
     traced: it must be a Python int), or '' for anything else."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        return ""
     if isinstance(value, jax.core.Tracer):
         return (
             " (a NumPy or JAX integer, traced: counts fix shapes, so pass a Python "
             "int, `int(...)`)"
         )
-    if isinstance(value, (np.integer, jax.Array)) and not isinstance(value, bool):
-        return " (a NumPy or JAX integer: pass a Python int, `int(...)`)"
-    return ""
+    return " (a NumPy or JAX integer: pass a Python int, `int(...)`)"
 
 
 def _carried(carrier: _Carrier, zero) -> _Carrier:

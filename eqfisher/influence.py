@@ -416,8 +416,6 @@ def influence_scores(
     sizes = {"chunk_size": chunk_size, "query_chunk_size": query_chunk_size}
     sizes["query_rank"] = query_rank
     _check_call("influence_scores", inverse, {"train": train, "query": query}, sizes)
-    grad = _gradient_fn(loss_fn, model, where, "influence_scores")
-    _check_operand(inverse, grad, query, "influence_scores")
     # A check that fails in the compiled call (CG not converged) is raised as
     # Equinox's error.
     with _refusal.checks_surfaced():
@@ -439,6 +437,7 @@ def _scores(
     query_rank,
 ):
     grad = _gradient_fn(loss_fn, model, where, "influence_scores")
+    _check_operand(inverse, grad, query, "influence_scores")  # raised when traced
 
     def precondition(q):
         leaves = jax.tree_util.tree_leaves(inverse.solve(grad(q)))
@@ -486,8 +485,6 @@ def self_influence(
         ```
     """
     _check_call("self_influence", inverse, {"train": train}, {"chunk_size": chunk_size})
-    grad = _gradient_fn(loss_fn, model, where, "self_influence")
-    _check_operand(inverse, grad, train, "self_influence")
     with _refusal.checks_surfaced():  # as in `influence_scores`
         return _self_scores(loss_fn, model, train, inverse, where, chunk_size)
 
@@ -495,6 +492,7 @@ def self_influence(
 @eqx.filter_jit  # as `_scores`
 def _self_scores(loss_fn, model, train, inverse, where, chunk_size):
     grad = _gradient_fn(loss_fn, model, where, "self_influence")
+    _check_operand(inverse, grad, train, "self_influence")  # raised when traced
 
     def one(example):
         g = grad(example)

@@ -195,8 +195,9 @@ def value_grad_then_curvature(
 
     `fn(model, batch, key=None) -> (value, grads, curvature)`, called inside jit,
     runs the forward of the whole batch and the gradient (`value` is `(loss, aux)`
-    with `has_aux`; with `surrogate`, the loss, and the surrogate's gradient); `curvature()` the rest of `value_grad_and_curvature`'s work,
-    from the same forward, and returns its `Curvature`. Called inside a
+    with `has_aux`; with `surrogate`, the loss, and the surrogate's gradient);
+    `curvature()` the rest of `value_grad_and_curvature`'s work, from the same
+    forward, and returns its `Curvature`. Called inside a
     `lax.cond`, only that rest is conditional: the model is compiled once, its
     forward's residuals are the `cond`'s operands. `caller` is the name errors give.
     """

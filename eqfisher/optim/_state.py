@@ -390,6 +390,16 @@ def curvature_like(fn: Callable, *args: Any, **kwargs: Any) -> Curvature:
     return curv
 
 
+def states_of(state: PyTree, kind: type) -> list:
+    """The nodes of type `kind` inside an optimiser state (an `optax.chain`'s,
+    say)."""
+    return [
+        s
+        for s in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, kind))
+        if isinstance(s, kind)
+    ]
+
+
 def find_kfac_state(state: PyTree) -> KFACState:
     """The `KFACState` inside an optimiser state (e.g. an `optax.chain`'s).
 
@@ -417,13 +427,7 @@ def find_kfac_state(state: PyTree) -> KFACState:
         assert isinstance(kstate, ef.optim.KFACState) and kstate.count == 0
         ```
     """
-    found = [
-        s
-        for s in jax.tree_util.tree_leaves(
-            state, is_leaf=lambda x: isinstance(x, KFACState)
-        )
-        if isinstance(s, KFACState)
-    ]
+    found = states_of(state, KFACState)
     if len(found) != 1:
         raise ValueError(
             f"`find_kfac_state(state)`: `state` holds {len(found)} K-FAC states; "

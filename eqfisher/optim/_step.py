@@ -21,7 +21,7 @@ from ..filters import AbstractFilter
 from ._adaptive_kfac import AdaptiveKFACState
 from ._compile import fast_compile_options, filter_jit_with_options
 from ._quadratic_model import quadratic_model
-from ._state import check_positive_int, find_kfac_state
+from ._state import check_positive_int, find_kfac_state, states_of
 
 
 def _check_moved(caller: str, grads: PyTree, updates: PyTree) -> None:
@@ -146,14 +146,7 @@ def _quadratic_model_if_adaptive(
     """`{"quadratic": ...}`, the batch's quadratic model, where `opt_state` holds
     `kfac_adaptive`'s state (its update needs one); else nothing, and nothing
     traced."""
-    adaptive = [
-        s
-        for s in jax.tree_util.tree_leaves(
-            opt_state, is_leaf=lambda x: isinstance(x, AdaptiveKFACState)
-        )
-        if isinstance(s, AdaptiveKFACState)
-    ]
-    if not adaptive:
+    if not states_of(opt_state, AdaptiveKFACState):
         return {}
     if surrogate:
         raise ValueError(
@@ -256,7 +249,8 @@ def kfac_step(
       `kfac_adaptive`, `kfac_preconditioner` inside an `optax.chain`, ...), built
       with a `like=` from the same `loss_fn`, `estimator` and `structure`. For
       `kfac_adaptive` the step also gives the update the batch's quadratic model
-      (`quadratic_model(loss_fn, model, batch)`: two GGN products a step).
+      (`quadratic_model(loss_fn, model, batch)`: a forward of its own and two GGN
+      products a step, as the hand-written step of docs/optim.md).
     - `estimator`, `structure`, `has_aux`, `surrogate`, `where`, `examples`: as
       for `eqfisher.value_grad_and_curvature`. With `where=`, the curvature covers the
       parameters it selects, and `optimiser` gets the gradients of all of them:
