@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 
 
 # The suite compiles thousands of small XLA programs and runs each a few times, so
@@ -10,8 +12,33 @@ _FAST_COMPILE = (
     "--xla_backend_optimization_level=0",
     "--xla_llvm_disable_expensive_passes=true",
 )
+# jaxlib 0.9 and 0.10 compile each fusion through XLA:CPU's MLIR fusion emitters,
+# which take longer to compile than its older emitters: with the older ones the
+# README's pass took 590 s instead of 896 s, every test passing (benchmarks/
+# RESULTS.md, "Issue 26, thirty-second session"). jaxlib 0.12 has only the new
+# emitters and aborts the process on the flag, so a child process asks this jaxlib
+# first, once per run (the workers inherit the answer through the environment).
+_OLDER_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+_EMITTERS_VARIABLE = "EQFISHER_TESTS_OLDER_EMITTERS"
+
+
+def _jaxlib_takes(flag: str) -> bool:
+    probe = "import jax, jax.numpy as jnp; jax.jit(jnp.sin)(1.0)"
+    env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, timeout=300
+    )
+    return done.returncode == 0
+
+
+if _EMITTERS_VARIABLE not in os.environ:
+    os.environ[_EMITTERS_VARIABLE] = "1" if _jaxlib_takes(_OLDER_EMITTERS) else ""
 os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), *_FAST_COMPILE]
+    [
+        os.environ.get("XLA_FLAGS", ""),
+        *_FAST_COMPILE,
+        *([_OLDER_EMITTERS] if os.environ[_EMITTERS_VARIABLE] else []),
+    ]
 ).strip()
 
 import shutil  # noqa: E402
