@@ -42,6 +42,7 @@ from ._curvature import (
     PerLayer as PerLayer,
     Statistics as Statistics,
     curvature as curvature,
+    dataset_curvature as dataset_curvature,
     memory_estimate as memory_estimate,
     value_grad_and_curvature as value_grad_and_curvature,
 )
@@ -105,6 +106,7 @@ __all__ = [
     "configure",
     "current_config",
     "curvature",
+    "dataset_curvature",
     "empirical_fisher_operator",
     "find_layers",
     "ggn_operator",

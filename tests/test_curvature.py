@@ -861,38 +861,3 @@ def test_unmatched_scalar_gets_exact_diagonal_block():
     row = np.delete(matrix[t], t)
     assert_close(row, 0)
     assert_close(curv.diagonal().temperature, ggn[t, t])
-
-
-@pytest.mark.parametrize(
-    "structure, exact",
-    [
-        (ef.Dense(), True),
-        (ef.BlockDiagonal(), True),
-        (ef.Diagonal(), True),
-        (ef.KFAC(), True),
-        (ef.EKFAC(), False),
-    ],
-    ids=repr,
-)
-def test_batches_averaged_with_ema_equal_the_whole_set(structure, exact):
-    """docs/choosing.md, "A dataset larger than one batch": `avg.ema(new, k/(k+1))`
-    over equal-sized batches is the whole set's curvature, except EKFAC's (the
-    newest batch's eigenbases)."""
-    model = eqx.nn.MLP(4, 3, 6, 1, activation=jnp.tanh, key=jr.key(0))
-    x, y = jr.normal(jr.key(1), (24, 4)), jnp.arange(24) % 3
-
-    def loss_fn(model, batch):
-        return ef.softmax_cross_entropy(jax.vmap(model)(batch[0]), batch[1])
-
-    def curvature(batch):
-        return ef.curvature(
-            loss_fn, model, batch, estimator=ef.GGN(), structure=structure
-        )
-
-    avg = None
-    for k in range(3):
-        curv = curvature((x[8 * k : 8 * k + 8], y[8 * k : 8 * k + 8]))
-        avg = curv if avg is None else avg.ema(curv, k / (k + 1))
-    whole = curvature((x, y)).as_matrix()
-    error = float(jnp.abs(avg.as_matrix() - whole).max() / jnp.abs(whole).max())
-    assert error < 1e-13 if exact else error > 0.05

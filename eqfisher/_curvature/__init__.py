@@ -1,6 +1,6 @@
 """The curvature: from a `LossProgram` (`eqfisher._tracer`) to a `Curvature`, the
 blocks of a whole model as one lineax operator, and the functions that build it
-(`curvature`, `value_grad_and_curvature`).
+(`curvature`, `value_grad_and_curvature`, `dataset_curvature`).
 
 The options a user passes are typed Modules: `estimators` (which matrix: `GGN`,
 `FisherExact`, `FisherMC`, `EmpiricalFisher`; each turns a registered loss into
@@ -19,6 +19,7 @@ This face re-exports what the rest of eqfisher uses.
 """
 
 from .builder import check_examples as check_examples
+from .dataset import dataset_curvature as dataset_curvature
 from .estimators import (
     GGN as GGN,
     AbstractEstimator as AbstractEstimator,

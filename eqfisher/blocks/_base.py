@@ -2,7 +2,7 @@ import abc
 import contextlib
 import contextvars
 import math
-from typing import TypeVar, cast
+from typing import ClassVar, TypeVar, cast
 
 import equinox as eqx
 import jax
@@ -87,6 +87,12 @@ class AbstractBlock(lx.AbstractLinearOperator):
 
         The order depends on the block type; see its documentation.
         """
+
+    # Whether `ema` averages what the block is estimated from, so that the blocks
+    # of several batches, averaged with weights proportional to their examples, are
+    # the block of the batches together (`eqfisher.dataset_curvature` needs it).
+    # False unless a block type says so: EKFAC's `ema` keeps the newer eigenbases.
+    averages_batches: ClassVar[bool] = False
 
     @abc.abstractmethod
     def ema(self, other: "AbstractBlock", decay: ScalarLike) -> "AbstractBlock":

@@ -36,6 +36,8 @@ class DiagonalBlock(AbstractBlock):
         ```
     """
 
+    averages_batches = True  # `ema` averages the diagonals
+
     diag: tuple[Float[Array, "..."], ...]
 
     def __init__(self, diag: tuple[Float[ArrayLike, "..."], ...]):

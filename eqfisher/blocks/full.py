@@ -58,6 +58,8 @@ class Full(AbstractBlock):
         ```
     """
 
+    averages_batches = True  # `ema` averages the matrices
+
     matrix: Float[Array, "size size"]
     structure: Structure = eqx.field(static=True)
     eig: tuple[Float[Array, " size"], Float[Array, "size size"]] | None

@@ -374,6 +374,8 @@ class KroneckerFactored(AbstractBlock):
         ```
     """
 
+    averages_batches = True  # `ema` averages each factor
+
     a: Float[Array, "d_in d_in"] | Float[Array, " d_in"]
     g: Float[Array, "d_out d_out"] | Float[Array, " d_out"]
     weight_perm: tuple[int, ...] = eqx.field(static=True)

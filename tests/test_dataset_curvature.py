@@ -1,0 +1,207 @@
+"""`eqfisher.dataset_curvature`: the curvature of batches weighted by their examples,
+against dense float64 references over the whole set and against `eqfisher.curvature`
+of all the batches at once."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+import eqfisher as ef
+
+from .helpers import block_slices, dense_empirical_fisher, dense_ggn_cross_entropy
+from .test_scan import Scanned, ce
+
+
+N = 23  # examples: batches of 8, 8 and 7
+MODEL = eqx.nn.MLP(4, 3, 6, 1, activation=jnp.tanh, key=jr.key(0))
+X, Y = jr.normal(jr.key(1), (N, 4)), jnp.arange(N) % 3
+BATCHES = [(X[i : i + 8], Y[i : i + 8]) for i in range(0, N, 8)]
+
+
+def loss_fn(model, batch):
+    x, y = batch[:2]
+    mask = batch[2] if len(batch) == 3 else None
+    return ef.softmax_cross_entropy(jax.vmap(model)(x), y, mask=mask)
+
+
+def per_example(model, example):
+    x, y = example
+    return -jax.nn.log_softmax(model(x))[y]
+
+
+def blockwise(dense, structure):
+    """The exact structures' view of a dense matrix: whole, per layer, diagonal."""
+    if isinstance(structure, ef.Dense):
+        return dense
+    if isinstance(structure, ef.Diagonal):
+        return np.diag(np.diag(dense))
+    kept = np.zeros_like(dense)
+    for layer in ((0, 1), (2, 3)):  # (weight, bias) of each layer
+        rows = np.concatenate(
+            [
+                np.arange(block_slices(MODEL)[i].start, block_slices(MODEL)[i].stop)
+                for i in layer
+            ]
+        )
+        kept[np.ix_(rows, rows)] = dense[np.ix_(rows, rows)]
+    return kept
+
+
+@pytest.mark.parametrize(
+    "structure", [ef.Dense(), ef.BlockDiagonal(), ef.Diagonal()], ids=repr
+)
+@pytest.mark.parametrize("estimator", [ef.GGN(), ef.EmpiricalFisher()], ids=repr)
+def test_exact_structures_equal_the_whole_sets_dense_reference(estimator, structure):
+    """Uneven batches (8, 8, 7): each weighted by its examples, so the result is the
+    whole set's curvature, built without eqfisher."""
+    if isinstance(estimator, ef.GGN):
+        dense = dense_ggn_cross_entropy(MODEL, X, Y)
+    else:
+        dense = dense_empirical_fisher(per_example, MODEL, (X, Y))
+    curv = ef.dataset_curvature(
+        loss_fn, MODEL, iter(BATCHES), estimator=estimator, structure=structure
+    )
+    np.testing.assert_allclose(
+        curv.as_matrix(), blockwise(dense, structure), rtol=1e-10, atol=1e-13
+    )
+
+
+def test_kfac_equals_kfac_of_the_whole_set():
+    """K-FAC averages each factor, so the batches' K-FAC is the whole set's."""
+    curv = ef.dataset_curvature(
+        loss_fn, MODEL, BATCHES, estimator=ef.GGN(), structure=ef.KFAC()
+    )
+    whole = ef.curvature(
+        loss_fn, MODEL, (X, Y), estimator=ef.GGN(), structure=ef.KFAC()
+    )
+    for name, block in whole.blocks.items():
+        np.testing.assert_allclose(curv.blocks[name].a, block.a, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(curv.blocks[name].g, block.g, rtol=1e-12, atol=1e-14)
+
+
+def test_a_batchs_weight_is_the_sum_of_its_mask():
+    """Padded batches (the last padded from 7 to 8 examples, mask 0) equal the
+    unpadded set: a batch weighs what its mask counts."""
+    padded_x = jnp.concatenate([X, jnp.zeros((1, 4))])
+    padded_y = jnp.concatenate([Y, jnp.zeros(1, Y.dtype)])
+    mask = jnp.arange(N + 1) < N
+    batches = [
+        (padded_x[i : i + 8], padded_y[i : i + 8], mask[i : i + 8])
+        for i in range(0, N + 1, 8)
+    ]
+    curv = ef.dataset_curvature(
+        loss_fn, MODEL, batches, estimator=ef.GGN(), structure=ef.Dense()
+    )
+    np.testing.assert_allclose(
+        curv.as_matrix(), dense_ggn_cross_entropy(MODEL, X, Y), rtol=1e-10, atol=1e-13
+    )
+
+
+def test_monte_carlo_batches_draw_with_their_index_folded_into_the_key():
+    key = jr.key(5)
+    estimator = ef.FisherMC(samples=2)
+    curv = ef.dataset_curvature(
+        loss_fn, MODEL, BATCHES, estimator=estimator, structure=ef.Diagonal(), key=key
+    )
+    by_hand = sum(
+        len(b[1])
+        / N
+        * ef.curvature(
+            loss_fn,
+            MODEL,
+            b,
+            estimator=estimator,
+            structure=ef.Diagonal(),
+            key=jr.fold_in(key, i),
+        ).as_matrix()
+        for i, b in enumerate(BATCHES)
+    )
+    np.testing.assert_allclose(curv.as_matrix(), by_hand, rtol=1e-12, atol=1e-14)
+
+
+def test_batches_of_one_shape_compile_once():
+    traces = []
+
+    def counted(model, batch):
+        traces.append(None)
+        return loss_fn(model, batch)
+
+    batch = BATCHES[0]
+    ef.dataset_curvature(
+        counted, MODEL, [batch], estimator=ef.GGN(), structure=ef.KFAC()
+    )
+    once = len(traces)
+    ef.dataset_curvature(
+        counted, MODEL, [batch] * 3, estimator=ef.GGN(), structure=ef.KFAC()
+    )
+    assert once > 0 and len(traces) == once
+
+
+def test_laplace_from_batches_equals_fit_on_the_whole_set():
+    """docs/laplace.md: a posterior over a data set given as batches."""
+    curv = ef.dataset_curvature(
+        loss_fn, MODEL, BATCHES, estimator=ef.GGN(), structure=ef.KFAC()
+    )
+    loss = sum(len(b[1]) * loss_fn(MODEL, b) for b in BATCHES) / N
+    posterior = ef.laplace.Laplace(
+        curv, MODEL, loss=loss, num_data=N, likelihood="classification"
+    )
+    whole = ef.laplace.fit(
+        loss_fn, MODEL, (X, Y), likelihood="classification", structure=ef.KFAC()
+    )
+    np.testing.assert_allclose(
+        posterior.log_marginal_likelihood(), whole.log_marginal_likelihood(), rtol=1e-12
+    )
+
+
+@pytest.mark.parametrize(
+    "batches, error, match",
+    [
+        ((X, Y), TypeError, "as a list"),
+        (X, TypeError, "as a list"),
+        ([], ValueError, "empty"),
+    ],
+    ids=["tuple", "array", "empty"],
+)
+def test_batches_that_are_not_a_list_of_batches_are_refused(batches, error, match):
+    with pytest.raises(error, match=match):
+        ef.dataset_curvature(
+            loss_fn, MODEL, batches, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+
+
+def test_ekfac_and_two_losses_are_refused():
+    with pytest.raises(ValueError, match="cannot be averaged over batches.*KFAC"):
+        ef.dataset_curvature(
+            loss_fn, MODEL, BATCHES, estimator=ef.GGN(), structure=ef.EKFAC()
+        )
+
+    def two(model, batch):
+        return loss_fn(model, batch) + loss_fn(model, batch)
+
+    with pytest.raises(ValueError, match="registers 2 losses"):
+        ef.dataset_curvature(
+            two, MODEL, BATCHES, estimator=ef.GGN(), structure=ef.Diagonal()
+        )
+    with pytest.raises(ValueError, match="needs `key=`"):
+        ef.dataset_curvature(
+            loss_fn, MODEL, BATCHES, estimator=ef.FisherMC(), structure=ef.Diagonal()
+        )
+
+
+def test_a_scanned_models_stacked_blocks_average_over_batches():
+    """Stacked blocks (a `lax.scan` over layers) average step by step."""
+    model = Scanned(jr.key(2))
+    x, y = jr.normal(jr.key(3), (11, 4)), jnp.arange(11) % 2
+    batches = [(x[:6], y[:6]), (x[6:], y[6:])]
+    for structure in (ef.KFAC(), ef.BlockDiagonal()):
+        curv = ef.dataset_curvature(
+            ce, model, batches, estimator=ef.GGN(), structure=structure
+        )
+        whole = ef.curvature(ce, model, (x, y), estimator=ef.GGN(), structure=structure)
+        np.testing.assert_allclose(
+            curv.as_matrix(), whole.as_matrix(), rtol=1e-11, atol=1e-13
+        )
