@@ -32,6 +32,11 @@ class AbstractBlock(lx.AbstractLinearOperator):
     `lineax.TaggedLinearOperator(block + damping * identity,
     lineax.positive_semidefinite_tag)` before solving it with CG.
 
+    A block type whose `ema` averages what the block is estimated from sets the
+    class variable `averages_batches = True` (`Full`, `DiagonalBlock` and
+    `KroneckerFactored` do; `EigenKroneckerFactored`'s keeps the newer
+    eigenbases): `eqfisher.dataset_curvature` refuses the others.
+
     `damping` must be a positive scalar, `decay` a scalar in [0, 1], `c` a
     non-negative scalar: a concrete value out of range raises `ValueError`; a
     traced one is checked at run time with `eqx.error_if`.
