@@ -503,7 +503,8 @@ def register_loss(
             "examples out of the batches given to them. Under "
             "`eqfisher.optim.kfac_step(..., curvature_batch_size=n)` the "
             "statistics' loss is that of the first n examples: their mask needs a "
-            "positive sum too.)",
+            "positive sum too. `eqfisher.dataset_curvature` takes each batch's "
+            "loss: leave out a batch that is all padding.)",
         )
     targets = family.checked_targets(inputs, targets, mask, caller)
     mask = family.checked_mask(inputs, targets, mask, caller)

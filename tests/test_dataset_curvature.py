@@ -160,11 +160,12 @@ def test_laplace_from_batches_equals_fit_on_the_whole_set():
 @pytest.mark.parametrize(
     "batches, error, match",
     [
-        ((X, Y), TypeError, "as a list"),
+        ((X, Y), TypeError, "of type tuple.*as a list"),
         (X, TypeError, "as a list"),
+        ({"train": (X, Y)}, TypeError, "of type dict.*as a list"),
         ([], ValueError, "empty"),
     ],
-    ids=["tuple", "array", "empty"],
+    ids=["tuple", "array", "dict", "empty"],
 )
 def test_batches_that_are_not_a_list_of_batches_are_refused(batches, error, match):
     with pytest.raises(error, match=match):
@@ -205,3 +206,71 @@ def test_a_scanned_models_stacked_blocks_average_over_batches():
         np.testing.assert_allclose(
             curv.as_matrix(), whole.as_matrix(), rtol=1e-11, atol=1e-13
         )
+
+
+def test_kfac_of_batches_masking_alike_equals_the_whole_set():
+    """K-FAC's A averages every row, masked or not, G only the unmasked ones: one
+    weight per batch serves both when every batch masks the same share."""
+    masks = [jnp.arange(8) < 6, jnp.arange(8) >= 2]  # 6 of 8 each
+    batches = [(X[i : i + 8], Y[i : i + 8], m) for i, m in zip((0, 8), masks)]
+    whole = (X[:16], Y[:16], jnp.concatenate(masks))
+    curv = ef.dataset_curvature(
+        loss_fn, MODEL, batches, estimator=ef.GGN(), structure=ef.KFAC()
+    )
+    want = ef.curvature(loss_fn, MODEL, whole, estimator=ef.GGN(), structure=ef.KFAC())
+    np.testing.assert_allclose(
+        curv.as_matrix(), want.as_matrix(), rtol=1e-12, atol=1e-14
+    )
+
+
+def test_kfac_of_batches_masking_differently_is_refused_eagerly_and_jitted():
+    masks = [jnp.arange(8) < 6, jnp.ones(8, bool)]
+    batches = [(X[i : i + 8], Y[i : i + 8], m) for i, m in zip((0, 8), masks)]
+    with pytest.raises(ValueError, match=r"`batches\[1\]` masks another share"):
+        ef.dataset_curvature(
+            loss_fn, MODEL, batches, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+    # The exact structures weigh by the mask alone: the unpadded set.
+    dense = ef.dataset_curvature(
+        loss_fn, MODEL, batches, estimator=ef.GGN(), structure=ef.Dense()
+    )
+    kept = jnp.concatenate(masks)
+    np.testing.assert_allclose(
+        dense.as_matrix(),
+        dense_ggn_cross_entropy(MODEL, X[:16][kept], Y[:16][kept]),
+        rtol=1e-10,
+        atol=1e-13,
+    )
+
+    @eqx.filter_jit
+    def jitted(batches):
+        curv = ef.dataset_curvature(
+            loss_fn, MODEL, batches, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        return curv.as_matrix()
+
+    with pytest.raises(eqx.EquinoxRuntimeError, match="masks another share"):
+        jax.block_until_ready(jitted(batches))
+
+
+def test_a_factor_that_changes_with_the_batch_is_refused():
+    """A loss summed over its batch (`n * mean`) weighs batches by n twice."""
+
+    def summed(model, batch):
+        return len(batch[1]) * loss_fn(model, batch)
+
+    with pytest.raises(ValueError, match=r"another factor on `batches\[2\]`.*Got 7"):
+        ef.dataset_curvature(
+            summed, MODEL, BATCHES, estimator=ef.GGN(), structure=ef.Diagonal()
+        )
+
+    def doubled(model, batch):
+        return 2.0 * loss_fn(model, batch)
+
+    twice = ef.dataset_curvature(
+        doubled, MODEL, BATCHES, estimator=ef.GGN(), structure=ef.Diagonal()
+    )
+    once = ef.dataset_curvature(
+        loss_fn, MODEL, BATCHES, estimator=ef.GGN(), structure=ef.Diagonal()
+    )
+    np.testing.assert_allclose(twice.as_matrix(), 2 * once.as_matrix(), rtol=1e-14)

@@ -1,7 +1,7 @@
 """`dataset_curvature`: the curvature of a data set given as batches, each batch's
 curvature weighted by its examples."""
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import equinox as eqx
 import jax
@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from .._config import Config, current_config
+from .._refusal import refused_where
 from .._tracer import StagedLoss
 from ..filters import AbstractFilter
 from .builder import Builder, check_args
@@ -60,11 +61,16 @@ def dataset_curvature(
 
     **Raises:**
 
-    - `TypeError` when `batches` is a tuple or an array.
-    - `ValueError` when `batches` is empty, when `loss_fn` registers other than
-      one loss, or when a block of the structure cannot be averaged over batches
-      (`EKFAC()`, whose average would keep the last batch's eigenbases; use
-      `KFAC()`), and the errors of `eqfisher.curvature`.
+    - `TypeError` when `batches` is a tuple, a dict or an array.
+    - `ValueError` when `batches` is empty; when `loss_fn` registers other than
+      one loss, or multiplies it by a factor that changes from batch to batch (a
+      loss summed over the batch, `n * mean`); when a block of the structure
+      cannot be averaged over batches (`EKFAC()`, whose average would keep the
+      last batch's eigenbases; use `KFAC()`); for `KFAC()`, when the batches mask
+      different shares of their rows (its input factor averages masked rows too,
+      docs/losses.md, so no one weight per batch is exact); and the errors of
+      `eqfisher.curvature` (a batch that is all padding: leave it out). Under
+      `jit`, the checks on values are Equinox's runtime errors.
 
     !!! Example
 
@@ -87,18 +93,18 @@ def dataset_curvature(
         ```
     """
     check_args(_CALLER, estimator, structure, key, examples)
-    if isinstance(batches, tuple) or eqx.is_array_like(batches):
+    if isinstance(batches, tuple | Mapping) or eqx.is_array_like(batches):
         raise TypeError(
-            f"`{_CALLER}(loss_fn, model, batches, ...)`: `batches` is a "
+            f"`{_CALLER}(loss_fn, model, batches, ...)`: `batches` is of type "
             f"{type(batches).__name__}, which is read as one batch; pass the batches "
             "as a list (or any other iterable), or call `eqfisher.curvature` for one "
             "batch."
         )
     config = current_config()
-    total, seen = None, None
-    for i, batch in enumerate(batches):
+
+    def of_batch(i: int, batch) -> tuple[Curvature, _Counts]:
         batch_key = None if key is None else jax.random.fold_in(key, i)
-        curv, count = _batch_curvature(
+        return _batch_curvature(
             loss_fn,
             model,
             batch,
@@ -109,16 +115,31 @@ def dataset_curvature(
             examples,
             config,
         )
-        if total is None:
-            _check_averages(curv)
-            total, seen = curv, count
-        else:
-            total, seen = _weighted_average(total, seen, curv, count)
-    if total is None:
+
+    iterator = enumerate(batches)
+    head = next(iterator, None)
+    if head is None:
         raise ValueError(
             f"`{_CALLER}(loss_fn, model, batches, ...)`: `batches` is empty."
         )
+    total, first = of_batch(*head)
+    _check_averages(total)
+    masked_rows = any(b.counts_masked_rows for b in total.stored.values())
+    seen = first.examples
+    for i, batch in iterator:
+        curv, counts = of_batch(i, batch)
+        curv = _check_alike(curv, counts, first, i, masked_rows)
+        total, seen = _weighted_average(total, seen, curv, counts.examples)
     return total
+
+
+class _Counts(eqx.Module):
+    """What a batch's registered loss counts: its `examples` (the sum of its mask),
+    its `rows` (masked or not), and the `coefficient` `loss_fn` returns it times."""
+
+    examples: Array
+    rows: Array
+    coefficient: Array
 
 
 @eqx.filter_jit
@@ -140,8 +161,13 @@ def _batch_curvature(
             "`eqfisher.curvature` yourself with `Curvature.ema` (docs/choosing.md)."
         )
     (registered,) = losses
-    count = jnp.sum(registered.mask, dtype=jnp.result_type(float))
-    return builder.curvature(forward, key)[0], count
+    dtype = jnp.result_type(float)
+    counts = _Counts(
+        examples=jnp.sum(registered.mask, dtype=dtype),
+        rows=jnp.asarray(registered.mask.size, dtype),
+        coefficient=jnp.sum(registered.coefficient).astype(dtype),
+    )
+    return builder.curvature(forward, key)[0], counts
 
 
 def _check_averages(curv: Curvature) -> None:
@@ -155,6 +181,44 @@ def _check_averages(curv: Curvature) -> None:
             "over batches (an `EKFAC()` block would keep the last batch's "
             "eigenbases). Use `KFAC()`, or an exact structure."
         )
+
+
+def _check_alike(
+    curv: Curvature, counts: _Counts, first: _Counts, i: int, masked_rows: bool
+) -> Curvature:
+    """`curv` (of batch `i`), after checking that `loss_fn` multiplies its loss by
+    the factor it did on the first batch, and, for blocks that count masked rows
+    (K-FAC's input factor), that the batch masks the same share of its rows."""
+    tol = 1e-6
+    factor = counts.coefficient - first.coefficient
+    curv = refused_where(
+        curv,
+        jnp.abs(factor) > tol * jnp.abs(first.coefficient),
+        f"`{_CALLER}(loss_fn, ...)`: `loss_fn` returns its registered loss times "
+        f"another factor on `batches[{i}]` than on `batches[0]`. Batches are "
+        "averaged by their examples, which gives the whole set's curvature for the "
+        "mean loss times one constant: return the mean (a loss summed over the "
+        "batch, `n * mean`, has a factor that changes with the batch size).",
+        lambda: (
+            f"{float(counts.coefficient):.6g} against {float(first.coefficient):.6g}"
+        ),
+    )
+    if not masked_rows:
+        return curv
+    share = counts.examples * first.rows - first.examples * counts.rows
+    return refused_where(
+        curv,
+        jnp.abs(share) > tol * first.rows * counts.rows,
+        f"`{_CALLER}(..., structure=...)`: `batches[{i}]` masks another share of its "
+        "rows than `batches[0]`. K-FAC's input factor averages every row, masked or "
+        "not (docs/losses.md), its output factor only the unmasked ones, so no one "
+        "weight per batch gives the whole set's K-FAC. Pass batches that mask alike "
+        "(or without masks), or use an exact structure.",
+        lambda: (
+            f"{float(counts.examples):g} of {float(counts.rows):g} rows against "
+            f"{float(first.examples):g} of {float(first.rows):g}"
+        ),
+    )
 
 
 @eqx.filter_jit
