@@ -146,7 +146,7 @@ class _Counts(eqx.Module):
 def _batch_curvature(
     loss_fn, model, batch, estimator, structure, key, where, examples, config: Config
 ):
-    """One batch's curvature and its number of examples; `config` static, as for
+    """One batch's curvature and what its loss counts; `config` static, as for
     `eqfisher.curvature`."""
     del config
     builder = Builder(
