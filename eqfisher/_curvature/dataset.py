@@ -125,11 +125,15 @@ def dataset_curvature(
     total, first = of_batch(*head)
     _check_averages(total)
     masked_rows = any(b.counts_masked_rows for b in total.stored.values())
-    seen = first.examples
+    seen, checks = first.examples, []
     for i, batch in iterator:
         curv, counts = of_batch(i, batch)
-        curv = _check_alike(curv, counts, first, i, masked_rows)
+        checks += _checks_alike(counts, first, i, masked_rows)
         total, seen = _weighted_average(total, seen, curv, counts.examples)
+    # Checked after the loop: a check on concrete values waits for its batch, which
+    # would keep the next batch from being loaded while this one computes.
+    for bad, message, got in checks:
+        total = refused_where(total, bad, message, got)
     return total
 
 
@@ -183,42 +187,47 @@ def _check_averages(curv: Curvature) -> None:
         )
 
 
-def _check_alike(
-    curv: Curvature, counts: _Counts, first: _Counts, i: int, masked_rows: bool
-) -> Curvature:
-    """`curv` (of batch `i`), after checking that `loss_fn` multiplies its loss by
-    the factor it did on the first batch, and, for blocks that count masked rows
-    (K-FAC's input factor), that the batch masks the same share of its rows."""
+def _checks_alike(
+    counts: _Counts, first: _Counts, i: int, masked_rows: bool
+) -> list[tuple[Array, str, Callable[[], str]]]:
+    """`(bad, message, got)` for `refused_where`: that `loss_fn` multiplies its loss
+    on batch `i` by the factor it did on the first batch, and, for blocks that count
+    masked rows (K-FAC's input factor), that batch `i` masks the same share of its
+    rows."""
     tol = 1e-6
-    factor = counts.coefficient - first.coefficient
-    curv = refused_where(
-        curv,
-        jnp.abs(factor) > tol * jnp.abs(first.coefficient),
-        f"`{_CALLER}(loss_fn, ...)`: `loss_fn` returns its registered loss times "
-        f"another factor on `batches[{i}]` than on `batches[0]`. Batches are "
-        "averaged by their examples, which gives the whole set's curvature for the "
-        "mean loss times one constant: return the mean (a loss summed over the "
-        "batch, `n * mean`, has a factor that changes with the batch size).",
-        lambda: (
-            f"{float(counts.coefficient):.6g} against {float(first.coefficient):.6g}"
-        ),
-    )
-    if not masked_rows:
-        return curv
-    share = counts.examples * first.rows - first.examples * counts.rows
-    return refused_where(
-        curv,
-        jnp.abs(share) > tol * first.rows * counts.rows,
-        f"`{_CALLER}(..., structure=...)`: `batches[{i}]` masks another share of its "
-        "rows than `batches[0]`. K-FAC's input factor averages every row, masked or "
-        "not (docs/losses.md), its output factor only the unmasked ones, so no one "
-        "weight per batch gives the whole set's K-FAC. Pass batches that mask alike "
-        "(or without masks), or use an exact structure.",
-        lambda: (
-            f"{float(counts.examples):g} of {float(counts.rows):g} rows against "
-            f"{float(first.examples):g} of {float(first.rows):g}"
-        ),
-    )
+    checks = [
+        (
+            jnp.abs(counts.coefficient - first.coefficient)
+            > tol * jnp.abs(first.coefficient),
+            f"`{_CALLER}(loss_fn, ...)`: `loss_fn` returns its registered loss times "
+            f"another factor on `batches[{i}]` than on `batches[0]`. Batches are "
+            "averaged by their examples, which gives the whole set's curvature for "
+            "the mean loss times one constant: return the mean (a loss summed over "
+            "the batch, `n * mean`, has a factor that changes with the batch size).",
+            lambda: (
+                f"{float(counts.coefficient):.6g} against "
+                f"{float(first.coefficient):.6g}"
+            ),
+        )
+    ]
+    if masked_rows:
+        share = counts.examples * first.rows - first.examples * counts.rows
+        checks.append(
+            (
+                jnp.abs(share) > tol * first.rows * counts.rows,
+                f"`{_CALLER}(..., structure=...)`: `batches[{i}]` masks another "
+                "share of its rows than `batches[0]`. K-FAC's input factor averages "
+                "every row, masked or not (docs/losses.md), its output factor only "
+                "the unmasked ones, so no one weight per batch gives the whole "
+                "set's K-FAC. Pass batches that mask alike (or without masks), or "
+                "use an exact structure.",
+                lambda: (
+                    f"{float(counts.examples):g} of {float(counts.rows):g} rows "
+                    f"against {float(first.examples):g} of {float(first.rows):g}"
+                ),
+            )
+        )
+    return checks
 
 
 @eqx.filter_jit
