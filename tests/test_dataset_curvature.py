@@ -174,12 +174,129 @@ def test_batches_that_are_not_a_list_of_batches_are_refused(batches, error, matc
         )
 
 
-def test_ekfac_and_two_losses_are_refused():
-    with pytest.raises(ValueError, match="cannot be averaged over batches.*KFAC"):
+def _layer_basis(block) -> np.ndarray:
+    """The columns `q_g[:, j] ⊗ q_a[:, k]` of an EKFAC block's eigenbasis, in the
+    operand's order `(weight.ravel(), bias)` (the matrix view `[W b]` reordered)."""
+    q_a, q_g = np.asarray(block.q_a), np.asarray(block.q_g)
+    d_out, d_in = q_g.shape[0], q_a.shape[0] - 1
+    view = np.arange(d_out * (d_in + 1)).reshape(d_out, d_in + 1)
+    order = np.concatenate([view[:, :d_in].ravel(), view[:, d_in]])
+    return np.kron(q_g, q_a)[order]
+
+
+@pytest.mark.parametrize("estimator", [ef.GGN(), ef.EmpiricalFisher()], ids=repr)
+def test_ekfac_is_the_whole_sets_diagonal_in_the_whole_sets_kfac_bases(estimator):
+    """Two passes: K-FAC's eigenbases from all the batches, then the scales in those
+    bases, batch by batch. The scales are the diagonal of the whole set's dense
+    curvature (built without eqfisher) in the bases, which are the whole set's
+    K-FAC's."""
+    if isinstance(estimator, ef.GGN):
+        dense = dense_ggn_cross_entropy(MODEL, X, Y)
+    else:
+        dense = dense_empirical_fisher(per_example, MODEL, (X, Y))
+    curv = ef.dataset_curvature(
+        loss_fn, MODEL, BATCHES, estimator=estimator, structure=ef.EKFAC()
+    )
+    kfac = ef.curvature(
+        loss_fn, MODEL, (X, Y), estimator=estimator, structure=ef.KFAC()
+    )
+    slices = block_slices(MODEL)
+    for (name, block), (w, b) in zip(curv.blocks.items(), ((0, 1), (2, 3))):
+        rows = np.r_[slices[w], slices[b]]
+        basis = _layer_basis(block)
+        scales = np.diag(basis.T @ dense[np.ix_(rows, rows)] @ basis)
+        np.testing.assert_allclose(
+            block.as_matrix(), basis @ np.diag(scales) @ basis.T, rtol=1e-10, atol=1e-13
+        )
+        # Its bases are those of the whole set's K-FAC (an eigenbasis: Q_A^T A Q_A
+        # is diagonal).
+        for q, factor in (
+            (block.q_a, kfac.blocks[name].a),
+            (block.q_g, kfac.blocks[name].g),
+        ):
+            rotated = q.T @ factor @ q
+            np.testing.assert_allclose(rotated, jnp.diag(jnp.diag(rotated)), atol=1e-12)
+    whole = ef.curvature(
+        loss_fn, MODEL, (X, Y), estimator=estimator, structure=ef.EKFAC()
+    )
+    np.testing.assert_allclose(
+        curv.as_matrix(), whole.as_matrix(), rtol=1e-10, atol=1e-13
+    )
+
+
+def test_ekfac_of_a_scanned_model_equals_the_whole_sets():
+    model = Scanned(jr.key(2))
+    x, y = jr.normal(jr.key(3), (11, 4)), jnp.arange(11) % 2
+    batches = [(x[:6], y[:6]), (x[6:], y[6:])]
+    curv = ef.dataset_curvature(
+        ce, model, batches, estimator=ef.GGN(), structure=ef.EKFAC()
+    )
+    whole = ef.curvature(ce, model, (x, y), estimator=ef.GGN(), structure=ef.EKFAC())
+    assert curv.runs == whole.runs  # stacked, as `eqfisher.curvature` stores them
+    np.testing.assert_allclose(
+        curv.as_matrix(), whole.as_matrix(), rtol=1e-10, atol=1e-13
+    )
+
+
+def test_monte_carlo_ekfac_draws_the_same_samples_in_both_passes():
+    """Batch `i` draws with `fold_in(key, i)` in both passes, so the bases are those
+    of the K-FAC of the same draws."""
+    key = jr.key(7)
+    estimator = ef.FisherMC(samples=2)
+    curv = ef.dataset_curvature(
+        loss_fn, MODEL, BATCHES, estimator=estimator, structure=ef.EKFAC(), key=key
+    )
+    kfac = ef.dataset_curvature(
+        loss_fn, MODEL, BATCHES, estimator=estimator, structure=ef.KFAC(), key=key
+    )
+    for name, block in curv.blocks.items():
+        for q, factor in (
+            (block.q_a, kfac.blocks[name].a),
+            (block.q_g, kfac.blocks[name].g),
+        ):
+            rotated = q.T @ factor @ q
+            np.testing.assert_allclose(rotated, jnp.diag(jnp.diag(rotated)), atol=1e-12)
+
+
+def test_ekfac_over_an_iterator_and_blocks_that_do_not_average_are_refused():
+    with pytest.raises(TypeError, match="two passes.*list_iterator.*Pass a list"):
         ef.dataset_curvature(
-            loss_fn, MODEL, BATCHES, estimator=ef.GGN(), structure=ef.EKFAC()
+            loss_fn, MODEL, iter(BATCHES), estimator=ef.GGN(), structure=ef.EKFAC()
+        )
+    # EKFAC inside `PerLayer` gives no fixed bases: its blocks are refused.
+    mixed = ef.PerLayer(
+        (ef.filters.by_path("layers[0].*"), ef.EKFAC()), default=ef.KFAC()
+    )
+    with pytest.raises(ValueError, match="EigenKroneckerFactored.*do not average"):
+        ef.dataset_curvature(
+            loss_fn, MODEL, BATCHES, estimator=ef.GGN(), structure=mixed
         )
 
+
+def test_eigen_kronecker_refuses_bases_of_another_layer():
+    class WrongBases(ef.AbstractKroneckerStructure):
+        weight_sharing: str = "expand"
+        steps_alike = True
+
+        def kronecker_needs(self):
+            return ef.Needs(examples=True)
+
+        def kronecker_block(self, group, statistics):
+            other = ef.blocks.KroneckerFactored(
+                jnp.eye(1),
+                jnp.eye(2),
+                weight_perm=(0, 1),
+                structure=(jnp.zeros((2, 1)),),
+            )
+            return statistics.eigen_kronecker(bases=other)
+
+    with pytest.raises(ValueError, match="bases=.*shaped.*same layer"):
+        ef.curvature(
+            loss_fn, MODEL, BATCHES[0], estimator=ef.GGN(), structure=WrongBases()
+        )
+
+
+def test_two_losses_and_a_missing_key_are_refused():
     def two(model, batch):
         return loss_fn(model, batch) + loss_fn(model, batch)
 

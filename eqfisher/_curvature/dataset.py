@@ -1,6 +1,7 @@
 """`dataset_curvature`: the curvature of a data set given as batches, each batch's
 curvature weighted by its examples."""
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 
 import equinox as eqx
@@ -38,19 +39,24 @@ def dataset_curvature(
 
     For a `loss_fn` that returns the mean of its registered loss (times a constant),
     this is `eqfisher.curvature` of all the batches at once: exactly for `Dense()`,
-    `BlockDiagonal()`, `Diagonal()` and `KFAC()` (K-FAC averages each factor, so its
-    factors are those of the whole set). The weight of a batch is the number of
-    examples its registered loss averages over (the sum of its mask, if it has
-    one), so a smaller last batch counts for what it holds. Batches of one shape
-    compile once.
+    `BlockDiagonal()`, `Diagonal()`, `KFAC()` (K-FAC averages each factor, so its
+    factors are those of the whole set) and `EKFAC()`. The weight of a batch is the
+    number of examples its registered loss averages over (the sum of its mask, if
+    it has one), so a smaller last batch counts for what it holds. Batches of one
+    shape compile once.
+
+    `EKFAC()` takes two passes over `batches`, as kronfluence does: K-FAC over all
+    of them for the eigenbases, then the scales in those bases, batch by batch
+    (`AbstractStructure.fixed_bases`). `batches` must then be iterable twice: a
+    list, not a generator.
 
     **Arguments:**
 
     - `loss_fn`: `loss_fn(model, batch) -> scalar` with exactly one registered loss.
     - `model`: a PyTree; the model's inexact arrays are the parameters.
-    - `batches`: the data set, an iterable of batches (a list or a generator), each
-      a PyTree that `loss_fn` takes. A tuple is refused, since a tuple is also
-      one batch `(x, y)`: pass a list.
+    - `batches`: the data set, an iterable of batches (a list or a generator; a
+      list for `EKFAC()`), each a PyTree that `loss_fn` takes. A tuple is
+      refused, since a tuple is also one batch `(x, y)`: pass a list.
     - `estimator`, `structure`, `where`, `examples`: as for `eqfisher.curvature`.
     - `key`: a PRNG key, needed by `FisherMC`; batch `i` draws with
       `jax.random.fold_in(key, i)`.
@@ -61,16 +67,18 @@ def dataset_curvature(
 
     **Raises:**
 
-    - `TypeError` when `batches` is a tuple, a dict or an array.
+    - `TypeError` when `batches` is a tuple, a dict or an array, or, for
+      `EKFAC()`, an iterator (it can be iterated once).
     - `ValueError` when `batches` is empty; when `loss_fn` registers other than
       one loss, or multiplies it by a factor that changes from batch to batch (a
       loss summed over the batch, `n * mean`); when a block of the structure
-      cannot be averaged over batches (`EKFAC()`, whose average would keep the
-      last batch's eigenbases; use `KFAC()`); for `KFAC()`, when the batches mask
-      different shares of their rows (its input factor averages masked rows too,
-      docs/losses.md, so no one weight per batch is exact); and the errors of
-      `eqfisher.curvature` (a batch that is all padding: leave it out). Under
-      `jit`, the checks on values are Equinox's runtime errors.
+      cannot be averaged over batches (a block type without
+      `averages_batches`, such as `EKFAC()`'s inside `PerLayer`); for `KFAC()`
+      and `EKFAC()`, when the batches mask different shares of their rows (K-FAC's
+      input factor averages masked rows too, docs/losses.md, so no one weight per
+      batch is exact); and the errors of `eqfisher.curvature` (a batch that is all
+      padding: leave it out). Under `jit`, the checks on values are Equinox's
+      runtime errors.
 
     !!! Example
 
@@ -100,6 +108,31 @@ def dataset_curvature(
             "as a list (or any other iterable), or call `eqfisher.curvature` for one "
             "batch."
         )
+    passes = structure.fixed_bases()
+    average = functools.partial(
+        _average, loss_fn, model, batches, estimator, key, where, examples
+    )
+    if passes is None:
+        return average(structure, fixed_bases=False)
+    if iter(batches) is batches:
+        raise TypeError(
+            f"`{_CALLER}(..., structure={structure!r})`: this structure takes two "
+            "passes over `batches` (its bases from all of them, then its blocks in "
+            f"those bases), and `batches` is a {type(batches).__name__}, which can "
+            "be iterated once. Pass a list of batches, or any iterable whose "
+            "`iter()` starts again."
+        )
+    first, then = passes
+    bases = average(first, fixed_bases=False)
+    return average(eqx.filter_jit(then)(bases.blocks), fixed_bases=True)
+
+
+def _average(
+    loss_fn, model, batches, estimator, key, where, examples, structure, *, fixed_bases
+) -> Curvature:
+    """One pass over `batches`: their curvatures averaged by their examples.
+    `fixed_bases`: the blocks are estimated in bases shared by every batch, so
+    they average whether or not their type does (`AbstractStructure.fixed_bases`)."""
     config = current_config()
 
     def of_batch(i: int, batch) -> tuple[Curvature, _Counts]:
@@ -123,8 +156,11 @@ def dataset_curvature(
             f"`{_CALLER}(loss_fn, model, batches, ...)`: `batches` is empty."
         )
     total, first = of_batch(*head)
-    _check_averages(total)
-    masked_rows = any(b.counts_masked_rows for b in total.stored.values())
+    if not fixed_bases:
+        _check_averages(total)
+    masked_rows = not fixed_bases and any(
+        b.counts_masked_rows for b in total.stored.values()
+    )
     seen, checks = first.examples, []
     for i, batch in iterator:
         curv, counts = of_batch(i, batch)
@@ -181,9 +217,11 @@ def _check_averages(curv: Curvature) -> None:
     )
     if kinds:
         raise ValueError(
-            f"`{_CALLER}(..., structure=...)`: the blocks {kinds} cannot be averaged "
-            "over batches (an `EKFAC()` block would keep the last batch's "
-            "eigenbases). Use `KFAC()`, or an exact structure."
+            f"`{_CALLER}(..., structure=...)`: the blocks {kinds} do not average "
+            "over batches (`AbstractBlock.averages_batches`), and the structure "
+            "gives no fixed bases to estimate them in (`AbstractStructure."
+            "fixed_bases`, as `EKFAC()` does). Use `KFAC()`, `EKFAC()` or an exact "
+            "structure."
         )
 
 

@@ -121,6 +121,12 @@ class AbstractBlock(lx.AbstractLinearOperator):
     def scale(self, c: ScalarLike) -> "AbstractBlock":
         """The block c·B, for a non-negative scalar `c`."""
 
+    def precompute(self) -> "AbstractBlock":
+        """This block with what its repeated solves reuse computed (the
+        eigendecompositions of `Full` and `KroneckerFactored`); the block itself
+        for a block type that computes nothing ahead."""
+        return self
+
     def transpose(self) -> "AbstractBlock":
         return self
 

@@ -2,13 +2,15 @@
 subclasses `KFAC` and `EKFAC`."""
 
 import abc
+import functools
+from typing import cast
 
 import equinox as eqx
 import jax
 
 from ... import filters
 from ..._refusal import int_hint
-from ...blocks import AbstractBlock
+from ...blocks import AbstractBlock, KroneckerFactored
 from .protocol import (
     AbstractStructure,
     Group,
@@ -194,3 +196,32 @@ class EKFAC(AbstractKroneckerStructure):
 
     def kronecker_block(self, group, statistics):
         return statistics.eigen_kronecker()
+
+    def fixed_bases(self):
+        # Averaged over batches, the scales of one batch's eigenbases would be mixed
+        # with another's: K-FAC over all of them first, then the scales in its bases.
+        return KFAC(weight_sharing=self.weight_sharing), functools.partial(
+            _EKFACInBases, self.weight_sharing
+        )
+
+
+class _EKFACInBases(AbstractKroneckerStructure):
+    """`EKFAC`'s scales in the eigenbases of given K-FAC blocks, by block name
+    (`EKFAC.fixed_bases`): only the per-example vectors are computed."""
+
+    weight_sharing: WeightSharing = eqx.field(static=True)
+    bases: dict[str, AbstractBlock]
+    steps_alike = False  # a block reads its group's name
+
+    def __init__(self, weight_sharing: WeightSharing, blocks: dict[str, AbstractBlock]):
+        self.weight_sharing = weight_sharing
+        # Each layer's eigendecompositions once, not in every batch.
+        self.bases = {name: b.precompute() for name, b in blocks.items()}
+
+    def kronecker_needs(self):
+        return Needs(examples=True, weight_sharing=self.weight_sharing)
+
+    def kronecker_block(self, group, statistics):
+        # A layer with Kronecker factors has a `KroneckerFactored` block in `KFAC`.
+        bases = cast(KroneckerFactored, self.bases[group.name])
+        return statistics.eigen_kronecker(bases=bases)

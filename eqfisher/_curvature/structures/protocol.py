@@ -7,6 +7,7 @@ import abc
 import dataclasses
 import math
 import numbers
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import equinox as eqx
@@ -282,22 +283,50 @@ class Statistics(eqx.Module):
             a, g, weight_perm=self.weight_perm, structure=self.shapes
         )
 
-    def eigen_kronecker(self) -> EigenKroneckerFactored:
+    def eigen_kronecker(
+        self, bases: KroneckerFactored | None = None
+    ) -> EigenKroneckerFactored:
         """The EKFAC block: K-FAC's eigenbases with the exact diagonal of the block in
-        that basis (from the per-example vectors)."""
-        d_out = self._factors("eigen_kronecker")[1].shape[0]  # refused if none
-        if self.outer is not None:
-            return self._eigen_kronecker_outer(self.outer)
-        rows = self._rows("eigen_kronecker")
-        perm = self.weight_perm
-        assert perm is not None  # set with the factors
-        mats = jax.vmap(lambda *v: to_matrix(v, perm, d_out))(*rows)
-        return ekfac_from_kronecker(self.kronecker(), mats)
+        that basis (from the per-example vectors).
 
-    def _eigen_kronecker_outer(self, outer: tuple[Array, Array]):
+        **Arguments:**
+
+        - `bases`: `None` (the default) for the eigenbases of this batch's K-FAC
+            block (`kronecker()`); or a `KroneckerFactored` block of the same layer
+            whose eigenbases are used instead, as for EKFAC over several batches
+            (`eqfisher.dataset_curvature`), where the factors come from all of them.
+            Then only the per-example vectors are needed.
+        """
+        block = self.kronecker() if bases is None else self._bases(bases)
+        if self.outer is not None:
+            return self._eigen_kronecker_outer(self.outer, block)
+        rows = self._rows("eigen_kronecker")
+        perm, d_out = block.weight_perm, block.g.shape[0]
+        mats = jax.vmap(lambda *v: to_matrix(v, perm, d_out))(*rows)
+        return ekfac_from_kronecker(block, mats)
+
+    def _bases(self, bases: KroneckerFactored) -> KroneckerFactored:
+        """`bases`, checked to be a K-FAC block on this block's operand."""
+        own = (self.weight_perm, [tuple(s.shape) for s in self.shapes])
+        given = (
+            bases.weight_perm if self.weight_perm is not None else None,
+            [tuple(s.shape) for s in jax.tree_util.tree_leaves(bases.in_structure())],
+        )
+        if own != given:
+            raise ValueError(
+                "`Statistics.eigen_kronecker(bases=...)`: `bases` is a block on "
+                f"parameters shaped {given[1]} (weight_perm {bases.weight_perm}); "
+                f"this block's are {own[1]} (weight_perm {self.weight_perm}). Pass "
+                "the K-FAC block of the same layer."
+            )
+        return bases
+
+    def _eigen_kronecker_outer(
+        self, outer: tuple[Array, Array], block: KroneckerFactored
+    ) -> EigenKroneckerFactored:
         # The scales Σ_nk (Q_Gᵀ c_nk ã_nᵀ Q_A)², as `ekfac_from_kronecker` takes
         # them from formed vectors: (Σ_k (c_nk Q_G)²)ᵀ (ã_n Q_A)², summed over n.
-        block = self.kronecker().precompute()
+        block = block.precompute()
         assert block.a_eig is not None and block.g_eig is not None
         q_a, q_g = block.a_eig[1], block.g_eig[1]
         a, c = (x.astype(q_a.dtype) for x in outer)
@@ -387,3 +416,18 @@ class AbstractStructure(eqx.Module):
     @abc.abstractmethod
     def block(self, group: Group, statistics: Statistics) -> AbstractBlock:
         """The block over `group`, from the `statistics` that `needs` asked for."""
+
+    def fixed_bases(
+        self,
+    ) -> "tuple[AbstractStructure, Callable[[dict[str, AbstractBlock]], AbstractStructure]] | None":
+        """How `eqfisher.dataset_curvature` averages this structure over batches.
+
+        `None` (the default): the blocks of the batches, averaged by their `ema`,
+        are the blocks of the data set. A structure whose blocks are estimated in
+        bases that must be the same for every batch (`EKFAC`, in K-FAC's
+        eigenbases) returns `(first, then)` instead: `first` is the structure of
+        those bases, averaged over all the batches first; `then(blocks)` maps that
+        curvature's `Curvature.blocks` to the structure estimated in them, whose
+        blocks then average by their `ema`.
+        """
+        return None
