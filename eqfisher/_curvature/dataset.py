@@ -42,8 +42,9 @@ def dataset_curvature(
     `BlockDiagonal()`, `Diagonal()`, `KFAC()` (K-FAC averages each factor, so its
     factors are those of the whole set) and `EKFAC()`. The weight of a batch is the
     number of examples its registered loss averages over (the sum of its mask, if
-    it has one), so a smaller last batch counts for what it holds. Batches of one
-    shape compile once.
+    it has one), so a smaller or padded last batch counts for what it holds; K-FAC's
+    input factor, which averages every row, masked or not (docs/losses.md), is
+    weighted by the batch's rows. Batches of one shape compile once.
 
     `EKFAC()` takes two passes over `batches`, as kronfluence does: K-FAC over all
     of them for the eigenbases, then the scales in those bases, batch by batch
@@ -73,12 +74,9 @@ def dataset_curvature(
       one loss, or multiplies it by a factor that changes from batch to batch (a
       loss summed over the batch, `n * mean`); when a block of the structure
       cannot be averaged over batches (a block type without
-      `averages_batches`, such as `EKFAC()`'s inside `PerLayer`); for `KFAC()`
-      and `EKFAC()`, when the batches mask different shares of their rows (K-FAC's
-      input factor averages masked rows too, docs/losses.md, so no one weight per
-      batch is exact); and the errors of `eqfisher.curvature` (a batch that is all
-      padding: leave it out). Under `jit`, the checks on values are Equinox's
-      runtime errors.
+      `averages_batches`, such as `EKFAC()`'s inside `PerLayer`); and the errors
+      of `eqfisher.curvature` (a batch that is all padding: leave it out). Under
+      `jit`, the check of the factor is Equinox's runtime error.
 
     !!! Example
 
@@ -158,19 +156,17 @@ def _average(
     total, first = of_batch(*head)
     if not fixed_bases:
         _check_averages(total)
-    masked_rows = not fixed_bases and any(
-        b.counts_masked_rows for b in total.stored.values()
-    )
-    seen, checks = first.examples, []
+    total, seen = _first_average(total, first)
+    checks = []
     for i, batch in iterator:
         curv, counts = of_batch(i, batch)
-        checks += _checks_alike(counts, first, i, masked_rows)
-        total, seen = _weighted_average(total, seen, curv, counts.examples)
+        checks.append(_check_factor(counts, first, i))
+        total, seen = _weighted_average(total, seen, curv, counts)
     # Checked after the loop: a check on concrete values waits for its batch, which
     # would keep the next batch from being loaded while this one computes.
     for bad, message, got in checks:
         total = refused_where(total, bad, message, got)
-    return total
+    return _per_example(total, seen)
 
 
 class _Counts(eqx.Module):
@@ -225,50 +221,52 @@ def _check_averages(curv: Curvature) -> None:
         )
 
 
-def _checks_alike(
-    counts: _Counts, first: _Counts, i: int, masked_rows: bool
-) -> list[tuple[Array, str, Callable[[], str]]]:
+def _check_factor(
+    counts: _Counts, first: _Counts, i: int
+) -> tuple[Array, str, Callable[[], str]]:
     """`(bad, message, got)` for `refused_where`: that `loss_fn` multiplies its loss
-    on batch `i` by the factor it did on the first batch, and, for blocks that count
-    masked rows (K-FAC's input factor), that batch `i` masks the same share of its
-    rows."""
-    tol = 1e-6
-    checks = [
-        (
-            jnp.abs(counts.coefficient - first.coefficient)
-            > tol * jnp.abs(first.coefficient),
-            f"`{_CALLER}(loss_fn, ...)`: `loss_fn` returns its registered loss times "
-            f"another factor on `batches[{i}]` than on `batches[0]`. Batches are "
-            "averaged by their examples, which gives the whole set's curvature for "
-            "the mean loss times one constant: return the mean (a loss summed over "
-            "the batch, `n * mean`, has a factor that changes with the batch size).",
-            lambda: (
-                f"{float(counts.coefficient):.6g} against "
-                f"{float(first.coefficient):.6g}"
-            ),
-        )
-    ]
-    if masked_rows:
-        share = counts.examples * first.rows - first.examples * counts.rows
-        checks.append(
-            (
-                jnp.abs(share) > tol * first.rows * counts.rows,
-                f"`{_CALLER}(..., structure=...)`: `batches[{i}]` masks another "
-                "share of its rows than `batches[0]`. K-FAC's input factor averages "
-                "every row, masked or not (docs/losses.md), its output factor only "
-                "the unmasked ones, so no one weight per batch gives the whole "
-                "set's K-FAC. Pass batches that mask alike (or without masks), or "
-                "use an exact structure.",
-                lambda: (
-                    f"{float(counts.examples):g} of {float(counts.rows):g} rows "
-                    f"against {float(first.examples):g} of {float(first.rows):g}"
-                ),
-            )
-        )
-    return checks
+    on batch `i` by the factor it did on the first batch."""
+    return (
+        jnp.abs(counts.coefficient - first.coefficient)
+        > 1e-6 * jnp.abs(first.coefficient),
+        f"`{_CALLER}(loss_fn, ...)`: `loss_fn` returns its registered loss times "
+        f"another factor on `batches[{i}]` than on `batches[0]`. Batches are "
+        "averaged by their examples, which gives the whole set's curvature for "
+        "the mean loss times one constant: return the mean (a loss summed over "
+        "the batch, `n * mean`, has a factor that changes with the batch size).",
+        lambda: (
+            f"{float(counts.coefficient):.6g} against {float(first.coefficient):.6g}"
+        ),
+    )
+
+
+# The batches are averaged by their rows (masked or not), each batch's curvature
+# scaled by the share of its rows its mask keeps, and the average scaled back by
+# rows over examples. An exact block is linear in its examples, so it is weighted
+# by them: (R_b/R) (N_b/R_b) (R/N) = N_b/N. A K-FAC block scales its G: G is then
+# weighted by examples, as the mean loss weighs it, and A by rows, as A averages
+# every row, masked or not (docs/losses.md), so K-FAC is the whole set's even when
+# the batches mask different shares of their rows.
 
 
 @eqx.filter_jit
-def _weighted_average(total: Curvature, seen, curv: Curvature, count):
-    """`total` (of `seen` examples) and `curv` (of `count`), weighted by examples."""
-    return total.ema(curv, seen / (seen + count)), seen + count
+def _first_average(curv: Curvature, counts: _Counts):
+    """The first batch's curvature, scaled by its share, and its `(rows, examples)`."""
+    share = counts.examples / counts.rows
+    return curv.map_blocks(lambda b: b.scale(share)), (counts.rows, counts.examples)
+
+
+@eqx.filter_jit
+def _weighted_average(total: Curvature, seen, curv: Curvature, counts: _Counts):
+    """`total` (of `seen = (rows, examples)`) and the next batch's `curv`."""
+    rows, examples = seen
+    share = counts.examples / counts.rows
+    scaled = curv.map_blocks(lambda b: b.scale(share))
+    seen = (rows + counts.rows, examples + counts.examples)
+    return total.ema(scaled, rows / seen[0]), seen
+
+
+@eqx.filter_jit
+def _per_example(total: Curvature, seen) -> Curvature:
+    rows, examples = seen
+    return total.map_blocks(lambda b: b.scale(rows / examples))

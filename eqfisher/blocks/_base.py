@@ -94,14 +94,11 @@ class AbstractBlock(lx.AbstractLinearOperator):
         """
 
     # Whether `ema` averages what the block is estimated from, so that the blocks
-    # of several batches, averaged with weights proportional to their examples, are
-    # the block of the batches together (`eqfisher.dataset_curvature` needs it).
-    # False unless a block type says so: EKFAC's `ema` keeps the newer eigenbases.
+    # of several batches, each scaled by `scale` and averaged with weights
+    # proportional to their rows, are the block of the batches together
+    # (`eqfisher.dataset_curvature` needs it). False unless a block type says so:
+    # EKFAC's `ema` keeps the newer eigenbases.
     averages_batches: ClassVar[bool] = False
-    # Whether the block averages rows that the loss's mask leaves out (K-FAC's input
-    # factor), so that batches masking different shares of their rows cannot be
-    # averaged with one weight each.
-    counts_masked_rows: ClassVar[bool] = False
 
     @abc.abstractmethod
     def ema(self, other: "AbstractBlock", decay: ScalarLike) -> "AbstractBlock":

@@ -65,8 +65,6 @@ class EigenKroneckerFactored(AbstractBlock):
         ```
     """
 
-    counts_masked_rows = True  # its eigenbases are K-FAC's
-
     q_a: Float[Array, "d_in d_in"]
     q_g: Float[Array, "d_out d_out"]
     scales: Float[Array, "d_out d_in"]

@@ -375,7 +375,6 @@ class KroneckerFactored(AbstractBlock):
     """
 
     averages_batches = True  # `ema` averages each factor
-    counts_masked_rows = True  # A averages every row, masked or not
 
     a: Float[Array, "d_in d_in"] | Float[Array, " d_in"]
     g: Float[Array, "d_out d_out"] | Float[Array, " d_out"]
