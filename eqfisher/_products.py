@@ -94,6 +94,24 @@ class MatrixFreeOperator(lx.AbstractLinearOperator):
 
     def mv(self, vector: PyTree) -> PyTree:
         """The product, the model linearised for it (see `lineax.linearise`)."""
+        want = self.in_structure()
+        shapes = [s.shape for s in jax.tree_util.tree_leaves(want)]
+        got = [
+            jnp.shape(x) if eqx.is_array_like(x) else type(x).__name__
+            for x in jax.tree_util.tree_leaves(vector)
+        ]
+        same = jax.tree_util.tree_structure(vector) == jax.tree_util.tree_structure(
+            want
+        )
+        if not same or got != shapes:
+            raise ValueError(
+                "`MatrixFreeOperator.mv(vector)`: `vector` must have the structure "
+                "of the model's parameters, `eqx.filter(model, eqx.is_inexact_array)` "
+                "(a gradient from `eqx.filter_grad` has it; for a flat vector, "
+                "`jax.flatten_util.ravel_pytree` of that gives the function that "
+                f"unflattens it). Expected leaves shaped {shapes}, got {got}"
+                f"{'' if same else ' in another structure'}."
+            )
         return self.linearised().mv(vector)
 
     def as_matrix(self) -> Float[Array, "size size"]:

@@ -276,13 +276,16 @@ class Categorical(AbstractLossFamily):
         # rides on the mask, which every estimator reads.
         tolerance = float(jnp.finfo(targets.dtype).eps) ** 0.5
         total = jnp.sum(targets, axis=-1)
-        bad = (jnp.abs(total - 1) > tolerance) & (mask != 0)
+        # `~(... <= ...)`: a NaN or infinite label fails it too.
+        off = ~(jnp.abs(total - 1) <= tolerance) | jnp.any(targets < 0, axis=-1)
+        bad = off & (mask != 0)
         return _refusal.refused_where(
             mask,
             bad,
-            f"`{caller}(logits, labels)`: probability `labels` must sum to 1 over "
-            "the classes (the last axis) wherever `mask` is not 0; the curvature "
-            "assumes it. Normalise them (`labels / labels.sum(-1, keepdims=True)`); "
+            f"`{caller}(logits, labels)`: probability `labels` must be finite and "
+            "non-negative and sum to 1 over the classes (the last axis) wherever "
+            "`mask` is not 0; the curvature assumes it. Normalise them "
+            "(`labels / labels.sum(-1, keepdims=True)`); "
             "give padding examples weight 0 with `mask=` (not rows of "
             "zeros), weight examples with `mask=`, and use "
             "`eqfisher.sigmoid_cross_entropy` for several labels per example.",
@@ -543,8 +546,8 @@ def softmax_cross_entropy(
       `mask` do not fit their shape; the message gives the shapes expected.
     - `ValueError` (under `jit`, Equinox's runtime error) when an integer label
       lies outside `[0, classes)` where the mask is not 0, or probability labels
-      do not sum to 1 (to the square root of their dtype's precision) where the
-      mask is not 0. Padding labels (e.g. -1) are allowed where `mask` is 0.
+      are negative, not finite, or do not sum to 1 (to the square root of their
+      dtype's precision) where the mask is not 0. Padding labels (e.g. -1) are allowed where `mask` is 0.
     - `ValueError` (under `jit`, Equinox's runtime error) when `mask` has a
       negative or non-finite entry, or sums to 0.
 

@@ -18,6 +18,12 @@ def _params(model):
     return eqx.filter(model, eqx.is_inexact_array)
 
 
+def _laplace():
+    return ef.laplace.fit(
+        loss_fn, *problem(), likelihood="classification", structure=ef.KFAC()
+    )
+
+
 @pytest.mark.parametrize(
     "name,value",
     [
@@ -119,8 +125,33 @@ def test_configure_as_a_statement_takes_effect():
         lambda m: ef.spectral.top_eigenpairs(
             ef.ggn_operator(loss_fn, *problem()), m, key=jax.random.key(0)
         ),
+        # These said "must be a positive int, got np.int64(4)" (or a `JitTracer`,
+        # under the function's own `jit`) without the fix.
+        lambda m: optim.kfac(1e-2, like=like(), inverse_every=m),
+        lambda m: optim.kfac_adaptive(like=like(), inverse_every=m),
+        lambda m: optim.FactoredTikhonov(max_inverse_dim=m),
+        lambda m: _laplace().sample(jax.random.key(0), m),
+        lambda m: ef.laplace.predictive_samples(
+            _laplace(), problem()[1][0][:2], jax.random.key(0), m
+        ),
+        lambda m: ef.laplace.optimize_hyperparameters(_laplace(), steps=m),
+        lambda m: ef.laplace.expected_calibration_error(
+            jnp.full((4, 2), 0.5), jnp.arange(4) % 2, bins=m
+        ),
     ],
-    ids=["samples", "max_factor_dim", "matvecs", "k"],
+    ids=[
+        "samples",
+        "max_factor_dim",
+        "matvecs",
+        "k",
+        "inverse_every",
+        "adaptive-inverse_every",
+        "max_inverse_dim",
+        "num_samples",
+        "predictive-num_samples",
+        "steps",
+        "bins",
+    ],
 )
 def test_a_numpy_integer_count_is_told_to_be_a_python_int(unchecked, make):
     # It said only "must be an integer ..., got np.int64(4)" (for `k`, got a

@@ -26,6 +26,7 @@ from .helpers import (
     block_slices,
     dense_empirical_fisher,
     dense_ggn,
+    dense_ggn_cross_entropy,
     ravelled,
     tree_allclose,
 )
@@ -861,3 +862,48 @@ def test_unmatched_scalar_gets_exact_diagonal_block():
     row = np.delete(matrix[t], t)
     assert_close(row, 0)
     assert_close(curv.diagonal().temperature, ggn[t, t])
+
+
+class _WithEmpty(eqx.Module):
+    linear: eqx.nn.Linear
+    extra: jax.Array  # a parameter of size 0 (an optional part switched off)
+
+    def __call__(self, x):
+        return self.linear(x) + jnp.sum(self.extra)
+
+
+@pytest.mark.parametrize(
+    "structure",
+    [ef.Dense(), ef.BlockDiagonal(), ef.Diagonal(), ef.KFAC(), ef.EKFAC()],
+    ids=repr,
+)
+def test_a_parameter_of_size_zero_has_an_empty_block(structure):
+    """The per-example pass reshaped with `-1`, which a size-0 leaf cannot infer:
+    `ZeroDivisionError` from inside JAX for every structure."""
+    model = _WithEmpty(
+        eqx.nn.Linear(4, 3, dtype=jnp.float64, key=jr.key(1)), jnp.zeros((0,))
+    )
+    x, y = jr.normal(jr.key(2), (6, 4)), jnp.arange(6) % 3
+
+    def loss(model, batch):
+        x, y = batch
+        return ef.softmax_cross_entropy(jax.vmap(model)(x), y)
+
+    curv = ef.curvature(loss, model, (x, y), estimator=ef.GGN(), structure=structure)
+    if isinstance(structure, ef.Dense):  # one block over both leaves
+        layer = curv.as_matrix()
+    else:
+        assert curv.blocks["extra"].as_matrix().shape == (0, 0)
+        layer = curv.blocks["linear"].as_matrix()
+    if isinstance(structure, ef.KFAC | ef.EKFAC):  # as without the empty leaf
+        alone = ef.curvature(
+            loss, model.linear, (x, y), estimator=ef.GGN(), structure=structure
+        )
+        np.testing.assert_allclose(layer, alone.as_matrix(), rtol=1e-14, atol=1e-16)
+    else:  # 15 × 15, the linear layer's, built without eqfisher
+        reference = dense_ggn_cross_entropy(model, x, y)
+        if isinstance(structure, ef.Diagonal):
+            reference = np.diag(np.diag(reference))
+        np.testing.assert_allclose(layer, reference, rtol=1e-12, atol=1e-15)
+    grads = eqx.filter_grad(loss)(model, (x, y))
+    assert curv.solve(grads, 1e-3).extra.shape == (0,)

@@ -11,7 +11,12 @@ import pytest
 
 import eqfisher as ef
 
-from .helpers import block_slices, dense_empirical_fisher, dense_ggn_cross_entropy
+from .helpers import (
+    block_slices,
+    compiled_during,
+    dense_empirical_fisher,
+    dense_ggn_cross_entropy,
+)
 from .test_scan import Scanned, ce
 
 
@@ -138,6 +143,19 @@ def test_batches_of_one_shape_compile_once():
         counted, MODEL, [batch] * 3, estimator=ef.GGN(), structure=ef.KFAC()
     )
     assert once > 0 and len(traces) == once
+
+
+@pytest.mark.parametrize("structure", [ef.KFAC(), ef.EKFAC()], ids=repr)
+def test_a_repeated_call_compiles_nothing(structure):
+    """Both of EKFAC's passes, and the step between them, compile once."""
+
+    def call():
+        return ef.dataset_curvature(
+            loss_fn, MODEL, BATCHES, estimator=ef.GGN(), structure=structure
+        )
+
+    call()
+    assert compiled_during(call) == []
 
 
 def test_laplace_from_batches_equals_fit_on_the_whole_set():

@@ -557,7 +557,7 @@ def test_grouped_convolution_advice_works():
 @pytest.mark.parametrize(
     "structure", [ef.Dense(), ef.BlockDiagonal(), ef.Diagonal(), ef.KFAC(), ef.EKFAC()]
 )
-@pytest.mark.parametrize("damping", [0.0, -1e-3])
+@pytest.mark.parametrize("damping", [0.0, -1e-3, float("inf"), float("nan")])
 def test_solve_and_logdet_refuse_a_damping_that_is_not_positive(structure, damping):
     # A softmax GGN over 6 examples of 4 classes has rank at most 6 · 3 = 18 of its
     # 44 parameters:
@@ -759,7 +759,7 @@ def test_probability_labels_that_do_not_sum_to_one_are_refused(labels):
         "zero rows": one_hot.at[:3].set(0.0),
         "counts": 2 * one_hot,
     }[labels]
-    message = "probability `labels` must sum to 1"
+    message = "probability `labels` must be finite and non-negative and sum to 1"
     with pytest.raises(ValueError, match=message):
         loss_fn(model, (x, bad))
     for estimator in [ef.GGN(), ef.FisherExact(), ef.EmpiricalFisher()]:
@@ -789,6 +789,29 @@ def test_probability_labels_that_do_not_sum_to_one_are_refused(labels):
 
         reference = dense_ggn(lambda m: jax.vmap(m)(x), of_outputs, model)
         np.testing.assert_allclose(curv.as_matrix(), reference, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize(
+    "row",
+    [[jnp.nan, 0.5, 0.5, 0.0], [jnp.inf, -jnp.inf, 1.0, 0.0], [-1.0, 1.0, 1.0, 0.0]],
+    ids=["nan", "inf", "negative"],
+)
+def test_probability_labels_that_are_not_probabilities_are_refused(row):
+    # They passed the sum's check: a NaN loss and curvature, or (a negative label)
+    # a finite loss that is no likelihood, without an error.
+    model, (x, y) = _problem()
+    bad = jax.nn.one_hot(y, CLASSES, dtype=F64).at[0].set(jnp.array(row, F64))
+    message = "probability `labels` must be finite and non-negative and sum to 1"
+    with pytest.raises(ValueError, match=message):
+        loss_fn(model, (x, bad))
+    with pytest.raises(eqx.EquinoxRuntimeError, match=message):
+        ef.curvature(
+            loss_fn,
+            model,
+            (x, bad),
+            estimator=ef.EmpiricalFisher(),
+            structure=ef.Dense(),
+        )
 
 
 @pytest.mark.parametrize("mask", ["negative", "all zero", "nan"])
@@ -949,3 +972,39 @@ def test_a_key_that_is_not_one_prng_key_is_named(key, unchecked):
     legacy = sampled(jax.random.PRNGKey(3))
     typed = sampled(jax.random.wrap_key_data(jax.random.PRNGKey(3)))
     np.testing.assert_array_equal(legacy.as_matrix(), typed.as_matrix())
+
+
+@pytest.mark.parametrize("c", [float("inf"), float("nan"), -1.0])
+def test_scale_and_ema_refuse_a_factor_out_of_range(c):
+    model, batch = _problem()
+    curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+    with pytest.raises(ValueError, match="`c` must lie in"):
+        curv.map_blocks(lambda b: b.scale(c))
+    with pytest.raises(eqx.EquinoxRuntimeError, match="`decay` must lie in"):
+        eqx.filter_jit(lambda c, d: c.ema(c, d).as_matrix())(curv, jnp.asarray(c))
+
+
+@pytest.mark.parametrize(
+    "make", [ef.ggn_operator, ef.hessian_operator, ef.empirical_fisher_operator]
+)
+def test_a_matrix_free_product_with_a_vector_of_another_structure_is_refused(make):
+    # It was Equinox's "Closure-converted function called with different
+    # dynamic/static arguments", with a dump of both trees.
+    model, batch = _problem()
+    op = make(loss_fn, model, batch)
+    flat = jax.flatten_util.ravel_pytree(eqx.filter(model, eqx.is_inexact_array))[0]
+    for vector in (flat, model):
+        with pytest.raises(ValueError, match=r"MatrixFreeOperator.mv\(vector\)"):
+            op.mv(vector)
+
+
+@pytest.mark.parametrize("damping", [None, "0.1", 0.1 + 0j, True])
+def test_a_damping_that_is_not_a_real_number_is_refused(damping, unchecked):
+    # `None` gave "float() argument must be a string or a real number"; the string
+    # "0.1" was accepted.
+    model, batch = _problem()
+    curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+    grads = eqx.filter_grad(loss_fn)(model, batch)
+    for call in (lambda: curv.solve(grads, damping), lambda: curv.logdet(damping)):
+        with pytest.raises(TypeError, match="`damping` must be a real scalar"):
+            call()

@@ -12,6 +12,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 from .._config import Config, current_config
 from .._refusal import refused_where
 from .._tracer import StagedLoss
+from ..blocks import AbstractBlock
 from ..filters import AbstractFilter
 from .builder import Builder, check_args
 from .estimators import AbstractEstimator
@@ -122,7 +123,14 @@ def dataset_curvature(
         )
     first, then = passes
     bases = average(first, fixed_bases=False)
-    return average(eqx.filter_jit(then)(bases.blocks), fixed_bases=True)
+    return average(then(_precomputed(bases)), fixed_bases=True)
+
+
+@eqx.filter_jit
+def _precomputed(curv: Curvature) -> dict[str, AbstractBlock]:
+    """Every block of `curv` by name, with what its solves reuse computed (K-FAC's
+    eigendecompositions): once, not in every batch of the second pass."""
+    return {name: b.precompute() for name, b in curv.blocks.items()}
 
 
 def _average(

@@ -305,7 +305,8 @@ def per_example_vectors(
     mismatch = one.mismatch(full_inputs, alone)
     if along.batch_tangents is not None and tangents is not None:
         mismatch = mismatch | one.mismatch(along.batch_tangents, tangents)
-    return [x.reshape((-1,) + x.shape[2:]) for x in out], mismatch
+    # Shapes written out, not `-1`: a parameter of size 0 leaves nothing to infer.
+    return [x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]) for x in out], mismatch
 
 
 def examples_mismatch(

@@ -149,25 +149,46 @@ def scalars_checked():
         _SCALARS_CHECKED.reset(token)
 
 
+def _check_real(value, name: str) -> None:
+    """`value` a real number: a Python int or float, or an array (NumPy, JAX,
+    traced) of a real dtype; not `None`, a string, a bool or a complex number."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None:
+        ok = jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+    else:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok:
+        got = f"an array of {dtype}" if dtype is not None else repr(value)
+        raise TypeError(
+            f"`{name}` must be a real scalar (a float or a scalar array), got {got}."
+        )
+
+
 def check_damping(damping: ScalarLike, dtype) -> Float[Array, ""]:
     """`damping` as a scalar array of `dtype`, after checking it is positive."""
+    _check_real(damping, "damping")
     if jnp.shape(damping) != ():
         raise ValueError(f"`damping` must be a scalar, got shape {jnp.shape(damping)}.")
-    message = "`damping` must be positive: B + damping·I must be positive definite."
+    message = (
+        "`damping` must be positive and finite: B + damping·I must be positive "
+        "definite."
+    )
     if isinstance(damping, jax.core.Tracer):
         if _SCALARS_CHECKED.get():
             return jnp.asarray(damping, dtype)
-        # `~(d > 0)`, not `d <= 0`: NaN is refused too.
+        # `~(0 < d < inf)`, not `d <= 0`: NaN is refused too.
+        d = jnp.asarray(damping)
         return eqx.error_if(
-            jnp.asarray(damping, dtype), ~(jnp.asarray(damping) > 0), message
+            jnp.asarray(damping, dtype), ~((d > 0) & (d < jnp.inf)), message
         )
-    if not float(np.asarray(damping)) > 0:
+    if not 0 < float(np.asarray(damping)) < math.inf:
         raise ValueError(f"{message} Got {damping}.")
     return jnp.asarray(damping, dtype)
 
 
 def check_scalar(value: ScalarLike, name: str, dtype, *, upper: float | None = None):
     """`value` as a scalar array of `dtype`, after checking 0 <= value (<= upper)."""
+    _check_real(value, name)
     if jnp.shape(value) != ():
         raise ValueError(f"`{name}` must be a scalar, got shape {jnp.shape(value)}.")
     bounds = "[0, inf)" if upper is None else f"[0, {upper:g}]"
@@ -176,10 +197,12 @@ def check_scalar(value: ScalarLike, name: str, dtype, *, upper: float | None = N
         if _SCALARS_CHECKED.get():
             return jnp.asarray(value, dtype)
         x = jnp.asarray(value)
-        bad = (x < 0) | (False if upper is None else x > upper)
+        bad = ~((x >= 0) & (x < jnp.inf))  # NaN refused too
+        if upper is not None:
+            bad = bad | (x > upper)
         return eqx.error_if(jnp.asarray(value, dtype), bad, message)
     v = float(np.asarray(value))
-    if not (v >= 0 and (upper is None or v <= upper)):
+    if not (0 <= v < math.inf and (upper is None or v <= upper)):
         raise ValueError(f"{message} Got {value}.")
     return jnp.asarray(value, dtype)
 

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .._refusal import refused_where
+from .._refusal import int_hint, refused_where
 
 
 def _checked(caller: str, probs: Array, labels: Array) -> Array:
@@ -143,7 +143,7 @@ def expected_calibration_error(
     if not isinstance(bins, int) or isinstance(bins, bool) or bins < 1:
         raise ValueError(
             "`eqfisher.laplace.expected_calibration_error(..., bins=...)`: a "
-            f"positive int, got {bins!r}."
+            f"positive int, got {bins!r}{int_hint(bins)}."
         )
     probs = _checked("expected_calibration_error", probs, labels)
     conf = jnp.max(probs, axis=-1)

@@ -10,6 +10,7 @@ import optax
 from jaxtyping import Array, Float, PyTree, ScalarLike
 
 from .._curvature import AbstractStructure
+from .._refusal import int_hint
 from ._blockwise import block_values
 from ._posterior import Laplace, Likelihood, fit
 
@@ -53,10 +54,10 @@ def optimize_hyperparameters(
         print(tuned.prior_precision)  # one δ per block: layers[0], layers[1]
         ```
     """
-    if not isinstance(steps, int) or steps < 1:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(
             "`eqfisher.laplace.optimize_hyperparameters(..., steps=...)`: a "
-            f"positive int, got {steps!r}."
+            f"positive int, got {steps!r}{int_hint(steps)}."
         )
     if noise and posterior.likelihood != "regression":
         raise ValueError(

@@ -13,7 +13,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree, ScalarLike
 
 from .._curvature import GGN, AbstractEstimator, AbstractStructure, Curvature, curvature
 from .._precision import at_least_float32
-from .._refusal import refused_where
+from .._refusal import int_hint, refused_where
 from .._tracer import loss_tags_jvp
 from ..losses import Bernoulli, Categorical, Gaussian
 from ._blockwise import (
@@ -366,10 +366,11 @@ class Laplace(eqx.Module):
 
         A PyTree like `mean` whose leaves have a leading axis `num_samples`.
         """
-        if not isinstance(num_samples, int) or num_samples < 1:
+        bad = isinstance(num_samples, bool) or not isinstance(num_samples, int)
+        if bad or num_samples < 1:
             raise ValueError(
                 "`Laplace.sample(key, num_samples)`: `num_samples` must be a "
-                f"positive int, got {num_samples!r}."
+                f"positive int, got {num_samples!r}{int_hint(num_samples)}."
             )
         structure = self.curvature.structure
         scale = self.curvature_scale

@@ -16,6 +16,7 @@ from jaxtyping import Array, ScalarLike
 
 from .. import _linalg as linalg
 from .._curvature import Curvature
+from .._refusal import int_hint
 from ..blocks import (
     AbstractBlock,
     DiagonalBlock,
@@ -292,7 +293,8 @@ class FactoredTikhonov(AbstractDamping):
         ):
             raise ValueError(
                 "`eqfisher.optim.FactoredTikhonov(max_inverse_dim=...)`: a positive "
-                f"integer or None (every factor inverted whole), got {dim!r}."
+                f"integer or None (every factor inverted whole), got {dim!r}"
+                f"{int_hint(dim)}."
             )
 
     def precompute(self, block: AbstractBlock, damping: ScalarLike) -> AbstractBlock:

@@ -14,7 +14,7 @@ from jaxtyping import Array, Float, Int, PyTree
 
 from .._curvature import Curvature
 from .._precision import at_least_float32
-from .._refusal import refused_where
+from .._refusal import int_hint, refused_where
 from ._damping import FactoredTikhonov
 
 
@@ -173,7 +173,7 @@ def check_positive_int(caller: str, name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(
             f"`eqfisher.optim.{caller}(..., {name}=...)`: must be a positive int, "
-            f"got {value!r}."
+            f"got {value!r}{int_hint(value)}."
         )
 
 

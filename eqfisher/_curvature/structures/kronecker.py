@@ -215,8 +215,7 @@ class _EKFACInBases(AbstractKroneckerStructure):
 
     def __init__(self, weight_sharing: WeightSharing, blocks: dict[str, AbstractBlock]):
         self.weight_sharing = weight_sharing
-        # Each layer's eigendecompositions once, not in every batch.
-        self.bases = {name: b.precompute() for name, b in blocks.items()}
+        self.bases = blocks  # precomputed, or each batch decomposes its layer's
 
     def kronecker_needs(self):
         return Needs(examples=True, weight_sharing=self.weight_sharing)

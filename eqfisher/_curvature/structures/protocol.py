@@ -427,7 +427,8 @@ class AbstractStructure(eqx.Module):
         bases that must be the same for every batch (`EKFAC`, in K-FAC's
         eigenbases) returns `(first, then)` instead: `first` is the structure of
         those bases, averaged over all the batches first; `then(blocks)` maps that
-        curvature's `Curvature.blocks` to the structure estimated in them, whose
-        blocks then average by their `ema`.
+        curvature's `Curvature.blocks` (precomputed, `AbstractBlock.precompute`)
+        to the structure estimated in them, whose blocks then average by their
+        `ema`.
         """
         return None
