@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from .._refusal import refused_where
+from .._refusal import check_count, refused_where
 from ._posterior import Laplace
 
 
@@ -122,9 +122,6 @@ def glm_predictive(
     return jax.lax.map(one, x, batch_size=chunk_size)
 
 
-# Compiled: called outside `jit`, each `lax.map` inside would be compiled again
-# at every call (its functions are new closures).
-@eqx.filter_jit
 def predictive_samples(
     posterior: Laplace,
     x: PyTree,
@@ -164,6 +161,15 @@ def predictive_samples(
         probs = ef.laplace.softmax_average(f)  # the Monte-Carlo predictive
         ```
     """
+    # Checked here: under `_predictive_samples`' `jit` a NumPy count is traced.
+    check_count(num_samples, "num_samples", "eqfisher.laplace.predictive_samples")
+    return _predictive_samples(posterior, x, key, num_samples, linearised, apply)
+
+
+# Compiled: called outside `jit`, each `lax.map` inside would be compiled again
+# at every call (its functions are new closures).
+@eqx.filter_jit
+def _predictive_samples(posterior, x, key, num_samples, linearised, apply):
     theta = posterior.mean
     samples = posterior.sample(key, num_samples)
 
