@@ -375,6 +375,50 @@ def test_kfac_of_masked_batches_equals_the_whole_set(structure, masks):
         )
 
 
+class _Pooled(eqx.Module):
+    """Sequences of any length: a token-wise layer, a mean over the tokens, a head."""
+
+    token: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.head(jnp.mean(jax.vmap(self.token)(x), axis=0))
+
+
+@pytest.mark.parametrize("weight_sharing", ["expand", "reduce"])
+def test_kfac_over_batches_of_different_sequence_lengths(weight_sharing):
+    """A per-sequence loss over batches of 4 and 6 tokens: the token layer's A is
+    the mean over every token of every sequence ("expand", 24 rows) or over every
+    sequence's mean input ("reduce", 5 rows), G the batches' G by their sequences.
+    Weighting A by the loss's rows (here the sequences) was 29% off for "expand"
+    (and by a per-token loss's rows, for "reduce")."""
+    model = _Pooled(
+        eqx.nn.Linear(3, 5, dtype=jnp.float64, key=jr.key(4)),
+        eqx.nn.Linear(5, 2, dtype=jnp.float64, key=jr.key(5)),
+    )
+    xs = [jr.normal(jr.key(6), (3, 4, 3)), jr.normal(jr.key(7), (2, 6, 3))]
+    batches = [(x, jnp.arange(len(x)) % 2) for x in xs]
+    structure = ef.KFAC(weight_sharing=weight_sharing)
+    curv = ef.dataset_curvature(
+        loss_fn, model, batches, estimator=ef.GGN(), structure=structure
+    )
+    if weight_sharing == "expand":
+        rows = jnp.concatenate([x.reshape(-1, 3) for x in xs])
+    else:
+        rows = jnp.concatenate([x.mean(axis=1) for x in xs])
+    rows = jnp.concatenate([rows, jnp.ones((len(rows), 1))], axis=1)
+    np.testing.assert_allclose(
+        curv.blocks["token"].a, rows.T @ rows / len(rows), rtol=1e-12
+    )
+    each = [
+        ef.curvature(loss_fn, model, b, estimator=ef.GGN(), structure=structure)
+        for b in batches
+    ]
+    for name in ("token", "head"):
+        g = sum(len(b[1]) / 5 * c.blocks[name].g for b, c in zip(batches, each))
+        np.testing.assert_allclose(curv.blocks[name].g, g, rtol=1e-12)
+
+
 def test_an_exact_structure_weighs_masked_batches_by_their_examples():
     masks = [jnp.arange(8) < 5, jnp.ones(8, bool)]
     batches = [(X[i : i + 8], Y[i : i + 8], m) for i, m in zip((0, 8), masks)]
@@ -426,3 +470,51 @@ def test_a_factor_that_changes_with_the_batch_is_refused():
         loss_fn, MODEL, BATCHES, estimator=ef.GGN(), structure=ef.Diagonal()
     )
     np.testing.assert_allclose(twice.as_matrix(), 2 * once.as_matrix(), rtol=1e-14)
+
+
+def test_a_sum_over_batches_of_one_size_is_the_mean_times_that_size():
+    """docs: over batches of one size n, `n * mean` is refused nowhere (its factor
+    is the same in every batch), and the result is the curvature of n times the
+    mean loss, not of the whole set's sum."""
+    batches = [(X[i : i + 8], Y[i : i + 8]) for i in (0, 8)]
+
+    def summed(model, batch):
+        return len(batch[1]) * loss_fn(model, batch)
+
+    curv = ef.dataset_curvature(
+        summed, MODEL, batches, estimator=ef.GGN(), structure=ef.Dense()
+    )
+    np.testing.assert_allclose(
+        curv.as_matrix(),
+        8 * dense_ggn_cross_entropy(MODEL, X[:16], Y[:16]),
+        rtol=1e-10,
+        atol=1e-13,
+    )
+
+
+def test_a_fixed_bases_that_is_not_a_pair_is_named():
+    class Broken(ef.KFAC):
+        def fixed_bases(self):
+            return ef.KFAC()
+
+    with pytest.raises(TypeError, match=r"Broken.fixed_bases\(\)` must return"):
+        ef.dataset_curvature(
+            loss_fn, MODEL, BATCHES, estimator=ef.GGN(), structure=Broken()
+        )
+
+
+def test_ema_takes_a_decay_for_each_stored_block():
+    curv = ef.curvature(
+        loss_fn, MODEL, BATCHES[0], estimator=ef.GGN(), structure=ef.KFAC()
+    )
+    other = ef.curvature(
+        loss_fn, MODEL, BATCHES[1], estimator=ef.GGN(), structure=ef.KFAC()
+    )
+    mixed = curv.ema(other, {"layers[0]": 0.25, "layers[1]": 1.0})
+    np.testing.assert_allclose(
+        mixed.blocks["layers[0]"].a,
+        0.25 * curv.blocks["layers[0]"].a + 0.75 * other.blocks["layers[0]"].a,
+    )
+    np.testing.assert_allclose(mixed.blocks["layers[1]"].g, curv.blocks["layers[1]"].g)
+    with pytest.raises(ValueError, match="one decay for each stored block"):
+        curv.ema(other, {"layers[0]": 0.5})

@@ -185,18 +185,22 @@ class Builder(eqx.Module):
             model, batch, s, processed, selected, grouping, needs, main_rows, lin, grads
         )
 
-    def curvature(self, forward: Linearised, key) -> tuple[Curvature, MainPass]:
+    def curvature(
+        self, forward: Linearised, key, factor_rows: dict[str, int] | None = None
+    ) -> tuple[Curvature, MainPass]:
         """The later phases, from `linearise`'s forward: the estimator's vectors
         pulled back (`_main_pass`), the per-example vectors, the blocks and the
-        `Curvature`."""
+        `Curvature`. `factor_rows`, if given, is filled with the number of rows
+        each group's K-FAC input factor averages, by group name."""
         grouping, needs = forward.grouping, forward.needs
         main = self._main_pass(forward, key)
         steps_cache = {}
         rows, outers = self._rows(main, grouping, needs, steps_cache)
+        factor_rows = {} if factor_rows is None else factor_rows
 
         def statistics(j):
             return self._statistics(
-                grouping[j], needs[j], main, rows, outers, steps_cache
+                grouping[j], needs[j], main, rows, outers, steps_cache, factor_rows
             )
 
         blocks = self._blocks(grouping, needs, forward.processed, statistics)
@@ -266,11 +270,18 @@ class Builder(eqx.Module):
         return grouping, [_needs(self.structure, g, self.caller) for g in grouping]
 
     def _statistics(
-        self, g: Group, n: Needs, main: MainPass, rows, outers, steps_cache: dict
+        self,
+        g: Group,
+        n: Needs,
+        main: MainPass,
+        rows,
+        outers,
+        steps_cache: dict,
+        factor_rows: dict[str, int],
     ) -> Statistics:
         """One group's `Statistics`: Kronecker factors from the main pass's layer
-        inputs and output cotangents, per-example vectors from `rows`, as it
-        needs."""
+        inputs and output cotangents (the rows A averages noted in `factor_rows`),
+        per-example vectors from `rows`, as it needs."""
         dtype, with_bias = _dtype_and_bias(g, main)
         a = gg = outer = None
         if n.kronecker:
@@ -280,7 +291,7 @@ class Builder(eqx.Module):
             )
             # Every step's use of a weight in a kept scan at once, from the
             # scan's stacked values: the work does not grow with the steps.
-            a, gg = stats.pooled_factors(
+            a, gg, factor_rows[g.name] = stats.pooled_factors(
                 g.records,
                 main.layer_inputs,
                 main.cotangents,

@@ -44,8 +44,15 @@ def dataset_curvature(
     factors are those of the whole set) and `EKFAC()`. The weight of a batch is the
     number of examples its registered loss averages over (the sum of its mask, if
     it has one), so a smaller or padded last batch counts for what it holds; K-FAC's
-    input factor, which averages every row, masked or not (docs/losses.md), is
-    weighted by the batch's rows. Batches of one shape compile once.
+    input factor, which averages every row the layer sees, masked or not
+    (docs/losses.md), is weighted by those rows, so batches of sequences of
+    different lengths average as their tokens (or, with "reduce", their
+    sequences) pool. Batches of one shape compile once.
+
+    The constant is the same for every batch: a loss summed over its batch
+    (`n * mean`) is refused when the batches differ in size, and over batches of
+    one size `n` it is the mean times `n`, whose curvature this is (not that of
+    the whole set's sum, `N` times the mean).
 
     `EKFAC()` takes two passes over `batches`, as kronfluence does: K-FAC over all
     of them for the eigenbases, then the scales in those bases, batch by batch
@@ -71,9 +78,11 @@ def dataset_curvature(
 
     - `TypeError` when `batches` is a tuple, a dict or an array, or, for
       `EKFAC()`, an iterator (it can be iterated once).
+    - `TypeError` when the structure's `fixed_bases()` returns neither None nor
+      a pair.
     - `ValueError` when `batches` is empty; when `loss_fn` registers other than
       one loss, or multiplies it by a factor that changes from batch to batch (a
-      loss summed over the batch, `n * mean`); when a block of the structure
+      loss summed over batches of different sizes); when a block of the structure
       cannot be averaged over batches (a block type without
       `averages_batches`, such as `EKFAC()`'s inside `PerLayer`); and the errors
       of `eqfisher.curvature` (a batch that is all padding: leave it out). Under
@@ -120,6 +129,13 @@ def dataset_curvature(
             f"those bases), and `batches` is a {type(batches).__name__}, which can "
             "be iterated once. Pass a list of batches, or any iterable whose "
             "`iter()` starts again."
+        )
+    if not (isinstance(passes, tuple) and len(passes) == 2):
+        raise TypeError(
+            f"`{_CALLER}(..., structure={structure!r})`: "
+            f"`{type(structure).__name__}.fixed_bases()` must return None or a "
+            f"pair `(first, then)` (see `AbstractStructure.fixed_bases`), got "
+            f"{type(passes).__name__}."
         )
     first, then = passes
     bases = average(first, fixed_bases=False)
@@ -178,12 +194,13 @@ def _average(
 
 
 class _Counts(eqx.Module):
-    """What a batch's registered loss counts: its `examples` (the sum of its mask),
-    its `rows` (masked or not), and the `coefficient` `loss_fn` returns it times."""
+    """What a batch's registered loss counts: its `examples` (the sum of its mask)
+    and the `coefficient` `loss_fn` returns it times; and, by stored block name,
+    the `factor_rows` each K-FAC input factor averages (masked or not)."""
 
     examples: Array
-    rows: Array
     coefficient: Array
+    factor_rows: dict[str, Array]
 
 
 @eqx.filter_jit
@@ -206,12 +223,18 @@ def _batch_curvature(
         )
     (registered,) = losses
     dtype = jnp.result_type(float)
+    factor_rows = {}
+    curv = builder.curvature(forward, key, factor_rows)[0]
     counts = _Counts(
         examples=jnp.sum(registered.mask, dtype=dtype),
-        rows=jnp.asarray(registered.mask.size, dtype),
         coefficient=jnp.sum(registered.coefficient).astype(dtype),
+        factor_rows={
+            k: jnp.asarray(factor_rows[k], dtype)
+            for k in curv.stored
+            if k in factor_rows
+        },
     )
-    return builder.curvature(forward, key)[0], counts
+    return curv, counts
 
 
 def _check_averages(curv: Curvature) -> None:
@@ -248,33 +271,48 @@ def _check_factor(
     )
 
 
-# The batches are averaged by their rows (masked or not), each batch's curvature
-# scaled by the share of its rows its mask keeps, and the average scaled back by
-# rows over examples. An exact block is linear in its examples, so it is weighted
-# by them: (R_b/R) (N_b/R_b) (R/N) = N_b/N. A K-FAC block scales its G: G is then
-# weighted by examples, as the mean loss weighs it, and A by rows, as A averages
-# every row, masked or not (docs/losses.md), so K-FAC is the whole set's even when
-# the batches mask different shares of their rows.
+# Each block is averaged over the batches by its weight in the data set: a block
+# linear in the examples by its examples; a K-FAC block's input factor A, which
+# averages every row the layer sees, masked or not (docs/losses.md), by those
+# rows, and its G by examples, as the mean loss weighs it. A K-FAC block averaged
+# by its rows, each batch's scaled by examples over rows (`scale` scales G), and
+# the average scaled back by rows over examples, is that: A by rows, G by
+# (R_b/R) (N_b/R_b) (R/N) = N_b/N. So K-FAC is the whole set's however the batches
+# mask their rows, and whatever rows per example each batch's layers see.
+
+
+def _scaled(curv: Curvature, factors: dict[str, Array]) -> Curvature:
+    for name, c in factors.items():
+        curv = curv.map_blocks(lambda b, c=c: b.scale(c), names=[name])
+    return curv
 
 
 @eqx.filter_jit
 def _first_average(curv: Curvature, counts: _Counts):
-    """The first batch's curvature, scaled by its share, and its `(rows, examples)`."""
-    share = counts.examples / counts.rows
-    return curv.map_blocks(lambda b: b.scale(share)), (counts.rows, counts.examples)
+    """The first batch's curvature, K-FAC blocks scaled by examples over rows, and
+    what it weighs: `(examples, rows by K-FAC block)`."""
+    n, rows = counts.examples, counts.factor_rows
+    return _scaled(curv, {k: n / r for k, r in rows.items()}), (n, rows)
 
 
 @eqx.filter_jit
 def _weighted_average(total: Curvature, seen, curv: Curvature, counts: _Counts):
-    """`total` (of `seen = (rows, examples)`) and the next batch's `curv`."""
-    rows, examples = seen
-    share = counts.examples / counts.rows
-    scaled = curv.map_blocks(lambda b: b.scale(share))
-    seen = (rows + counts.rows, examples + counts.examples)
-    return total.ema(scaled, rows / seen[0]), seen
+    """`total` (of `seen`) and the next batch's `curv`, each block by its weight."""
+    n, rows = counts.examples, counts.factor_rows
+    scaled = _scaled(curv, {k: n / r for k, r in rows.items()})
+    seen_n, seen_rows = seen
+    decay = {
+        k: seen_rows[k] / (seen_rows[k] + rows[k])
+        if k in rows
+        else seen_n / (seen_n + n)
+        for k in total.stored
+    }
+    seen = (seen_n + n, {k: seen_rows[k] + rows[k] for k in rows})
+    return total.ema(scaled, decay), seen
 
 
 @eqx.filter_jit
 def _per_example(total: Curvature, seen) -> Curvature:
-    rows, examples = seen
-    return total.map_blocks(lambda b: b.scale(rows / examples))
+    """The K-FAC blocks scaled back by their rows over the set's examples."""
+    n, rows = seen
+    return _scaled(total, {k: r / n for k, r in rows.items()})

@@ -3,7 +3,7 @@ parameter PyTree."""
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -336,16 +336,19 @@ class Curvature(lx.AbstractLinearOperator):
         """
         return jnp.asarray(sum(b.trace() for b in self.blocks.values()))
 
-    def ema(self, other: "Curvature", decay: ScalarLike) -> "Curvature":
+    def ema(
+        self, other: "Curvature", decay: ScalarLike | Mapping[str, ScalarLike]
+    ) -> "Curvature":
         r"""The moving average $\text{decay} \cdot \text{self} + (1 - \text{decay})
         \cdot \text{other}$, block by block (see each block's `ema`: K-FAC averages
-        its factors).
+        its factors). `decay` is one scalar, or a dict from each stored block's
+        name (see `stored`) to its own.
 
         **Raises:**
 
-        `ValueError` when `other` has other blocks (names or structure), a
-        `TypeError` when a block of `other` is of another type (a K-FAC block
-        against a diagonal one).
+        `ValueError` when `other` has other blocks (names or structure), or a dict
+        `decay` names other blocks than `stored`; a `TypeError` when a block of
+        `other` is of another type (a K-FAC block against a diagonal one).
 
         !!! Example
 
@@ -359,19 +362,35 @@ class Curvature(lx.AbstractLinearOperator):
         """
         if other.blocks.keys() != self.blocks.keys():
             raise ValueError("`Curvature.ema(other, decay)`: `other` has other blocks.")
+        of = self._decays(decay)
         if other.runs != self.runs:
             blocks = other.blocks
-            new = {k: b.ema(blocks[k], decay) for k, b in self.blocks.items()}
+            new = {k: b.ema(blocks[k], of[k]) for k, b in self.blocks.items()}
             return Curvature(new, self.leaf_indices, self.structure, self.leaf_slices)
         # A stacked layer's blocks are averaged at once, step by step (`vmap`).
         stacked = {run[0] for run in self.runs}
         stored = {
-            k: jax.vmap(lambda x, y: x.ema(y, decay))(b, other.stored[k])
+            k: jax.vmap(lambda x, y, d=of[k]: x.ema(y, d))(b, other.stored[k])
             if k in stacked
-            else b.ema(other.stored[k], decay)
+            else b.ema(other.stored[k], of[k])
             for k, b in self.stored.items()
         }
         return eqx.tree_at(lambda c: c.stored, self, stored)
+
+    def _decays(self, decay) -> dict[str, Any]:
+        """Each block's decay, by the names of `blocks` (a stacked layer's steps
+        take their stored block's)."""
+        if not isinstance(decay, Mapping):
+            return dict.fromkeys(self.blocks, decay)
+        if set(decay) != set(self.stored):
+            raise ValueError(
+                "`Curvature.ema(other, decay)`: a dict `decay` needs one decay for "
+                f"each stored block, {sorted(self.stored)}; got {sorted(decay)}."
+            )
+        of = dict(decay)
+        for run in self.runs:
+            of |= dict.fromkeys(run, decay[run[0]])
+        return of
 
     def map_blocks(
         self,

@@ -25,10 +25,10 @@ def pooled_factors(
     reduce_examples: int | None = None,
     max_factor_dim: int | None = None,
     steps_cache: dict | None = None,
-) -> tuple[Array, Array]:
+) -> tuple[Array, Array, int]:
     """K-FAC's A and G of a group whose records are uses of one weight (tied
-    weights): the uses' rows pool as extra locations, A = Σᵤ Aᵤ nᵤ / Σᵤ nᵤ and
-    G = Σᵤ Gᵤ.
+    weights), and the number of rows A averages: the uses' rows pool as extra
+    locations, A = Σᵤ Aᵤ nᵤ / Σᵤ nᵤ and G = Σᵤ Gᵤ.
 
     With `steps_cache` (a dict shared by the calls for one curvature), a use at
     one step of a kept scan is read from the factors of every step of it, computed
@@ -69,11 +69,11 @@ def pooled_factors(
                 )
             )
     if len(parts) == 1:
-        return parts[0][:2]
+        return parts[0]
     total = sum(n for _, _, n in parts)
     a = sum(a_u * (n / total) for a_u, _, n in parts)
     g = sum(g_u for _, g_u, _ in parts)
-    return jnp.asarray(a), jnp.asarray(g)
+    return jnp.asarray(a), jnp.asarray(g), total
 
 
 def scan_uses(records: Sequence[LayerRecord]) -> list[list[LayerRecord]]:

@@ -180,6 +180,14 @@ class EKFAC(AbstractKroneckerStructure):
 
     - `weight_sharing`: the K-FAC variant whose eigenbases are used (see `KFAC`).
 
+    Where a factor has a repeated eigenvalue, its eigenbasis within that
+    eigenspace is whichever `jnp.linalg.eigh` returns, and EKFAC can depend on
+    it. With `"expand"` a factor's zero eigenspace (fewer rows than inputs) does
+    not matter, since the curvature is zero there; with `"reduce"` it does (an
+    example's gradient reaches beyond its mean input), so two EKFACs of the same
+    data, computed differently (one batch, or `eqfisher.dataset_curvature`), can
+    differ there, both valid.
+
     !!! Example
 
         ```python

@@ -429,6 +429,8 @@ class AbstractStructure(eqx.Module):
         those bases, averaged over all the batches first; `then(blocks)` maps that
         curvature's `Curvature.blocks` (precomputed, `AbstractBlock.precompute`)
         to the structure estimated in them, whose blocks then average by their
-        `ema`.
+        `ema`. A structure that finds its bases by `group.name` sets
+        `steps_alike = False` (a stacked layer's steps are then built one by one,
+        each with its own name).
         """
         return None
