@@ -1,5 +1,6 @@
-"""`dataset_curvature`: the curvature of a data set given as batches, each batch's
-curvature weighted by its examples."""
+"""`dataset_curvature`: the curvature of a data set given as batches, each block of
+each batch weighted by its share of the set (its examples; K-FAC's input factor,
+its rows)."""
 
 import functools
 from collections.abc import Callable, Iterable, Mapping
@@ -152,9 +153,10 @@ def _precomputed(curv: Curvature) -> dict[str, AbstractBlock]:
 def _average(
     loss_fn, model, batches, estimator, key, where, examples, structure, *, fixed_bases
 ) -> Curvature:
-    """One pass over `batches`: their curvatures averaged by their examples.
-    `fixed_bases`: the blocks are estimated in bases shared by every batch, so
-    they average whether or not their type does (`AbstractStructure.fixed_bases`)."""
+    """One pass over `batches`: their curvatures averaged, each block by its share
+    of the set. `fixed_bases`: the blocks are estimated in bases shared by every
+    batch, so they average whether or not their type does
+    (`AbstractStructure.fixed_bases`)."""
     config = current_config()
 
     def of_batch(i: int, batch) -> tuple[Curvature, _Counts]:
