@@ -518,3 +518,12 @@ def test_ema_takes_a_decay_for_each_stored_block():
     np.testing.assert_allclose(mixed.blocks["layers[1]"].g, curv.blocks["layers[1]"].g)
     with pytest.raises(ValueError, match="one decay for each stored block"):
         curv.ema(other, {"layers[0]": 0.5})
+
+
+def test_one_batch_given_as_a_list_of_its_arrays_is_named():
+    """`[x, y]` is two batches, `x` and `y`; `loss_fn` then fails on `x`."""
+    with pytest.raises(Exception) as info:
+        ef.dataset_curvature(
+            loss_fn, MODEL, [X, Y], estimator=ef.GGN(), structure=ef.Diagonal()
+        )
+    assert any("pass `[(x, y)]`" in note for note in info.value.__notes__)

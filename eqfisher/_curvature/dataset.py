@@ -179,7 +179,15 @@ def _average(
         raise ValueError(
             f"`{_CALLER}(loss_fn, model, batches, ...)`: `batches` is empty."
         )
-    total, first = of_batch(*head)
+    try:
+        total, first = of_batch(*head)
+    except Exception as e:
+        if isinstance(batches, list) and all(map(eqx.is_array_like, batches)):
+            e.add_note(
+                f"(`{_CALLER}`: `batches` is a list of {len(batches)} arrays, each "
+                "read as one batch. For one batch `(x, y)`, pass `[(x, y)]`.)"
+            )
+        raise
     if not fixed_bases:
         _check_averages(total)
     total, seen = _first_average(total, first)
