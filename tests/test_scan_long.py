@@ -230,7 +230,7 @@ def test_pooled_factors_of_a_shared_cell_equal_the_per_step_sum(reduce, max_fact
     )
     _, cotangents = jax.vmap(lin.vjp)(vectors)
     options = dict(reduce_examples=reduce, max_factor_dim=max_factor_dim)
-    a, g = stats.pooled_factors(cell, inputs, cotangents, True, F64, **options)
+    a, g, rows = stats.pooled_factors(cell, inputs, cotangents, True, F64, **options)
     parts = [
         stats.kronecker_factors(
             r,
@@ -243,6 +243,7 @@ def test_pooled_factors_of_a_shared_cell_equal_the_per_step_sum(reduce, max_fact
         for r in cell
     ]
     total = sum(n for _, _, n in parts)
+    assert rows == total  # the rows A averages: every step's
     np.testing.assert_allclose(
         a, sum(a_t * (n / total) for a_t, _, n in parts), atol=1e-14
     )
