@@ -47,8 +47,8 @@ def dataset_curvature(
     it has one), so a smaller or padded last batch counts for what it holds; K-FAC's
     input factor, which averages every row the layer sees, masked or not
     (docs/losses.md), is weighted by those rows, so batches of sequences of
-    different lengths average as their tokens (or, with "reduce", their
-    sequences) pool. Batches of one shape compile once.
+    different lengths average as the rows each layer's A averages pool (tokens;
+    with "reduce", sequences). Batches of one shape compile once.
 
     The constant is the same for every batch: a loss summed over its batch
     (`n * mean`) is refused when the batches differ in size, and over batches of
