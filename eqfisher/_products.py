@@ -11,6 +11,7 @@ import lineax as lx
 import optax
 from jaxtyping import Array, Float, PyTree
 
+from ._curvature import leaf_shapes
 from ._stop_hessian import stop_hessian as stop_hessian
 from ._tracer import RegisteredLoss, StagedLoss, calls_custom_vjp, split
 from .blocks._base import register_unstructured
@@ -96,10 +97,7 @@ class MatrixFreeOperator(lx.AbstractLinearOperator):
         """The product, the model linearised for it (see `lineax.linearise`)."""
         want = self.in_structure()
         shapes = [s.shape for s in jax.tree_util.tree_leaves(want)]
-        got = [
-            jnp.shape(x) if eqx.is_array_like(x) else type(x).__name__
-            for x in jax.tree_util.tree_leaves(vector)
-        ]
+        got = leaf_shapes(jax.tree_util.tree_leaves(vector))
         same = jax.tree_util.tree_structure(vector) == jax.tree_util.tree_structure(
             want
         )

@@ -547,7 +547,8 @@ def softmax_cross_entropy(
     - `ValueError` (under `jit`, Equinox's runtime error) when an integer label
       lies outside `[0, classes)` where the mask is not 0, or probability labels
       are negative, not finite, or do not sum to 1 (to the square root of their
-      dtype's precision) where the mask is not 0. Padding labels (e.g. -1) are allowed where `mask` is 0.
+      dtype's precision) where the mask is not 0. Padding labels (e.g. -1) are
+      allowed where `mask` is 0.
     - `ValueError` (under `jit`, Equinox's runtime error) when `mask` has a
       negative or non-finite entry, or sums to 0.
 

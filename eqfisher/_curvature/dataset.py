@@ -297,19 +297,24 @@ def _scaled(curv: Curvature, factors: dict[str, Array]) -> Curvature:
     return curv
 
 
+def _per_row(curv: Curvature, counts: _Counts) -> Curvature:
+    """A batch's curvature with its K-FAC blocks scaled by examples over rows."""
+    n = counts.examples
+    return _scaled(curv, {k: n / r for k, r in counts.factor_rows.items()})
+
+
 @eqx.filter_jit
 def _first_average(curv: Curvature, counts: _Counts):
-    """The first batch's curvature, K-FAC blocks scaled by examples over rows, and
-    what it weighs: `(examples, rows by K-FAC block)`."""
-    n, rows = counts.examples, counts.factor_rows
-    return _scaled(curv, {k: n / r for k, r in rows.items()}), (n, rows)
+    """The first batch's curvature (`_per_row`) and what it weighs: `(examples,
+    rows by K-FAC block)`."""
+    return _per_row(curv, counts), (counts.examples, counts.factor_rows)
 
 
 @eqx.filter_jit
 def _weighted_average(total: Curvature, seen, curv: Curvature, counts: _Counts):
     """`total` (of `seen`) and the next batch's `curv`, each block by its weight."""
     n, rows = counts.examples, counts.factor_rows
-    scaled = _scaled(curv, {k: n / r for k, r in rows.items()})
+    scaled = _per_row(curv, counts)
     seen_n, seen_rows = seen
     decay = {
         k: seen_rows[k] / (seen_rows[k] + rows[k])
