@@ -518,6 +518,10 @@ def test_ema_takes_a_decay_for_each_stored_block():
     np.testing.assert_allclose(mixed.blocks["layers[1]"].g, curv.blocks["layers[1]"].g)
     with pytest.raises(ValueError, match="one decay for each stored block"):
         curv.ema(other, {"layers[0]": 0.5})
+    with pytest.raises(
+        ValueError, match=r"`decay\['layers\[1\]'\]` must lie in \[0, 1\]"
+    ):
+        curv.ema(other, {"layers[0]": 0.5, "layers[1]": 1.5})
 
 
 def test_one_batch_given_as_a_list_of_its_arrays_is_named():

@@ -412,6 +412,24 @@ def test_map_blocks_names_are_checked():
         curv.map_blocks(lambda b: b.as_matrix())
 
 
+def test_tree_at_replaces_a_stacked_block_and_names_the_views():
+    """A stacked layer's `blocks` are views: `eqx.tree_at` through one failed with
+    "'_LeafWrapper' object is not subscriptable"; it now names `stored`, which
+    works."""
+    model, batch = _problem()
+    curv = _kfac_reduce(model, batch)
+    run = next(r for r in curv.runs if len(r) > 1)
+    with pytest.raises(TypeError, match=r"c\.stored\[run\[0\]\]"):
+        eqx.tree_at(lambda c: c.blocks[run[1]], curv, curv.blocks[run[1]])
+    doubled = eqx.tree_at(
+        lambda c: c.stored[run[0]], curv, curv.stored[run[0]].scale(2.0)
+    )
+    for step in run:
+        np.testing.assert_allclose(
+            doubled.blocks[step].as_matrix(), 2 * curv.blocks[step].as_matrix()
+        )
+
+
 @pytest.mark.parametrize("eigh_max_dim", [0, 64], ids=["cholesky", "eigh"])
 def test_batched_pi_damped_inverse_falls_back_per_step(eigh_max_dim, monkeypatch):
     """A stack of factors inverts by Cholesky (or, small factors, by their clamped

@@ -15,7 +15,7 @@ from jaxtyping import Array, Float, PyTree, ScalarLike
 
 from .._precision import at_least_float32
 from ..blocks import AbstractBlock
-from ..blocks._base import register_psd_operator
+from ..blocks._base import check_scalar, register_psd_operator
 from .structures import check_gib, matrix_gib
 
 
@@ -39,7 +39,8 @@ class Curvature(lx.AbstractLinearOperator):
       A property: the blocks of a layer stacked with `eqx.filter_vmap` and applied
       by `lax.scan` (one per step) are stored as one block whose arrays have a
       leading step axis (`stored`, `runs`), so that a jitted function returning the
-      curvature outputs one array per stacked factor, not one per step.
+      curvature outputs one array per stacked factor, not one per step. Such a
+      step's block is a view: `eqx.tree_at` replaces the stacked block in `stored`.
     - `leaf_indices`: static; `(name, positions)` pairs: for each block, the
       positions of its leaves among the operand's leaves.
     - `structure`: static; the operand as a PyTree of `jax.ShapeDtypeStruct`.
@@ -387,9 +388,13 @@ class Curvature(lx.AbstractLinearOperator):
                 "`Curvature.ema(other, decay)`: a dict `decay` needs one decay for "
                 f"each stored block, {sorted(self.stored)}; got {sorted(decay)}."
             )
-        of = dict(decay)
+        # Checked here too, so that a refusal names the block.
+        of = {
+            k: check_scalar(d, f"decay[{k!r}]", jnp.result_type(float), upper=1.0)
+            for k, d in decay.items()
+        }
         for run in self.runs:
-            of |= dict.fromkeys(run, decay[run[0]])
+            of |= dict.fromkeys(run, of[run[0]])
         return of
 
     def map_blocks(
@@ -507,6 +512,14 @@ def _stack(xs: tuple) -> Any:
 def _take(x: Any, step: int) -> Any:
     if isinstance(x, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+    if not hasattr(x, "shape"):  # e.g. `eqx.tree_at`'s placeholders
+        raise TypeError(
+            "`Curvature.blocks`: a stacked layer's blocks are views of its stored "
+            "block, one step each, not parts of the PyTree, so `eqx.tree_at` cannot "
+            "reach them. Replace the stacked block, `eqx.tree_at(lambda c: "
+            "c.stored[run[0]], curv, new)` for a `run` in `curv.runs`, or transform "
+            "the steps with `curv.map_blocks(fn)`."
+        )
     return x[step]
 
 
