@@ -13,6 +13,7 @@ that picks no parameter raises a `ValueError` listing the model's parameter path
 """
 
 import abc
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -249,10 +250,57 @@ def _refuse_arrays(spec: Any, call: str, name: str) -> None:
         )
 
 
+def _flag(value: Any, call: str, name: str, at: str) -> bool:
+    """A filter's answer for one leaf (`at` says which) as a Python bool, or a
+    `TypeError` naming `name` when it is not one."""
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"`{call}`: `{name}` decided {at} from its values (it returned a traced "
+            "array): filters are evaluated on the model inside `jit` too (as "
+            "`eqfisher.curvature` does), so they must decide from a leaf's path, type "
+            "or shape (e.g. `leaf.ndim >= 2`). For a choice by values, evaluate the "
+            "mask once outside `jit`, `mask = eqfisher.filters.mask(model, where)`, "
+            "and pass the mask as the filter spec."
+        )
+    if eqx.is_array(value) and np.shape(value) == () and value.dtype == bool:
+        return bool(value)
+    raise TypeError(
+        f"`{call}`: `{name}` must return a bool for each leaf; for {at} it returned "
+        f"{type(value).__name__}"
+        f"{f' of shape {np.shape(value)}' if eqx.is_array(value) else ''}"
+        f"{' (a missing `return`?)' if value is None else ''}."
+    )
+
+
+def _checked_spec(fn: Callable, call: str, name: str) -> Callable[[Any], bool]:
+    """A callable of a filter spec (`leaf -> bool`, as `eqx.filter` calls it), its
+    signature and answers checked."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin: called as it is
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(None)
+        except TypeError:
+            raise TypeError(
+                f"`{call}`: a callable in `{name}` is called with one leaf, `leaf -> "
+                f"bool` (as `eqx.filter` calls it); {fn!r} takes {signature}. To "
+                "choose by path, use `eqfisher.filters.by_path`, or subclass "
+                "`eqfisher.filters.AbstractFilter` for `(path, leaf, nodes)`."
+            ) from None
+    return lambda leaf: _flag(fn(leaf), call, name, "a leaf")
+
+
 def _mask(model: PyTree, where: Any, call: str, name: str) -> PyTree[bool]:
     call = f"eqfisher.filters.{call}"
     if isinstance(where, AbstractFilter):
-        flags = [where(*entry) for entry in _leaves_with_nodes(model)]
+        flags = [
+            _flag(where(*entry), call, name, f"the leaf at {jtu.keystr(entry[0])!r}")
+            for entry in _leaves_with_nodes(model)
+        ]
         selected = jtu.tree_unflatten(jtu.tree_structure(model), flags)
     else:
         if isinstance(where, str):
@@ -262,6 +310,9 @@ def _mask(model: PyTree, where: Any, call: str, name: str) -> PyTree[bool]:
             )
         where = _none_as_false(where, model)
         _refuse_arrays(where, call, name)
+        where = jtu.tree_map(
+            lambda w: _checked_spec(w, call, name) if callable(w) else w, where
+        )
         sentinel = object()
         try:
             kept = eqx.filter(model, where, replace=sentinel)

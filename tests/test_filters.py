@@ -308,3 +308,51 @@ def test_optax_mask():
     opt = optax.chain(optax.sgd(0.1), optax.masked(optax.set_to_zero(), frozen))
     updates, _ = opt.update(grads, opt.init(params), params)
     check(filters.params(eqx.apply_updates(model, updates)))
+
+
+class _Returns(filters.AbstractFilter):
+    answer: object = eqx.field(static=True)
+
+    def __call__(self, path, leaf, nodes):
+        return leaf if self.answer == "leaf" else self.answer
+
+
+@pytest.mark.parametrize(
+    "answer, got",
+    [(None, r"NoneType \(a missing `return`\?\)"), ("leaf", "shape"), ("False", "str")],
+)
+def test_a_filter_returning_no_bool_is_named(answer, got):
+    """A filter returning None raised a PyTree-structure error, one returning the
+    leaf NumPy's "truth value ... is ambiguous"; one returning the string "False"
+    selected every parameter."""
+    with pytest.raises(TypeError, match=rf"`where` must return a bool .*{got}"):
+        filters.mask(Net(jax.random.key(0)), _Returns(answer))
+    with pytest.raises(TypeError, match="`where` must return a bool"):
+        filters.mask(Net(jax.random.key(0)), lambda leaf: leaf)
+
+
+def test_a_filter_deciding_by_values_names_the_mask_outside_jit():
+    """`jnp.any(leaf != 0)` is a concrete bool array outside `jit` (accepted, as
+    before) and a tracer inside: JAX's bare `TracerBoolConversionError` before."""
+
+    class NonZero(filters.AbstractFilter):
+        def __call__(self, path, leaf, nodes):
+            return eqx.is_array(leaf) and jnp.any(leaf != 0)
+
+    model = Net(jax.random.key(0))
+    model = eqx.tree_at(lambda m: m.head.bias, model, jnp.zeros(2))
+    eager = selected_paths(model, NonZero())
+    assert eager == (ENCODER | HEAD | EXTRA) - {".head.bias"}
+    with pytest.raises(TypeError, match="from its values.*mask = eqfisher"):
+        eqx.filter_jit(lambda m: filters.mask(m, NonZero()))(model)
+    spec = filters.mask(model, NonZero())  # the fix the message names
+    jitted = eqx.filter_jit(lambda m: filters.mask(m, spec))(model)
+    assert jtu.tree_leaves(jitted) == jtu.tree_leaves(spec)
+
+
+def test_a_path_and_leaf_callable_is_named():
+    """optax's `(path, leaf)` callbacks gave Python's "missing 1 required
+    positional argument: 'leaf'"."""
+    with pytest.raises(TypeError, match=r"called with one leaf.*takes \(path, leaf\)"):
+        filters.mask(Net(jax.random.key(0)), lambda path, leaf: True)
+    assert selected_paths(Net(jax.random.key(0)), lambda leaf, *rest: True)
