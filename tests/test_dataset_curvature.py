@@ -175,6 +175,32 @@ def test_laplace_from_batches_equals_fit_on_the_whole_set():
     )
 
 
+def test_laplace_regression_from_batches_needs_its_outputs():
+    """docs/laplace.md: for regression the recipe passes `num_outputs=D` (3 here);
+    without it the Gaussian normaliser is a one-output model's."""
+
+    def mse(model, batch):
+        return ef.squared_error(jax.vmap(model)(batch[0]), batch[1])
+
+    targets = jr.normal(jr.key(5), (N, 3))
+    batches = [(X[i : i + 8], targets[i : i + 8]) for i in range(0, N, 8)]
+    curv = ef.dataset_curvature(
+        mse, MODEL, batches, estimator=ef.GGN(), structure=ef.KFAC()
+    )
+    loss = sum(len(b[1]) * mse(MODEL, b) for b in batches) / N
+    whole = ef.laplace.fit(
+        mse, MODEL, (X, targets), likelihood="regression", structure=ef.KFAC()
+    )
+    kwargs = dict(loss=loss, num_data=N, likelihood="regression", noise_std=0.3)
+    posterior = ef.laplace.Laplace(curv, MODEL, num_outputs=3, **kwargs)
+    want = whole.replace(noise_std=0.3).log_marginal_likelihood()
+    np.testing.assert_allclose(posterior.log_marginal_likelihood(), want, rtol=1e-12)
+    one = ef.laplace.Laplace(curv, MODEL, **kwargs).log_marginal_likelihood()
+    np.testing.assert_allclose(
+        one - want, 2 * N * np.log(0.3 * np.sqrt(2 * np.pi)), rtol=1e-10
+    )
+
+
 @pytest.mark.parametrize(
     "batches, error, match",
     [

@@ -435,6 +435,11 @@ def test_errors(unchecked):
     lap, model, batch, *_ = build("kfac", None, False)
     with pytest.raises(ValueError, match="one scalar per curvature block"):
         lap.replace(prior_precision={"nope": 1.0})
+    # A prior per parameter, laplace-torch's, as a PyTree like the parameters:
+    # Python's "float() argument must be ... not 'MLP'" before.
+    per_parameter = jax.tree_util.tree_map(jnp.ones_like, lap.mean)
+    with pytest.raises(ValueError, match="got MLP for .*precision per parameter"):
+        lap.replace(prior_precision=per_parameter)
     with pytest.raises(ValueError, match="regression"):
         lap.replace(noise_std=2.0)
     with pytest.raises(ValueError, match="regression"):
@@ -535,6 +540,55 @@ def test_marglik_training():
     grads = jax.jit(jax.grad(value, argnums=(0, 1)))(logs, jnp.log(post.noise_std))
     for g in jax.tree_util.tree_leaves(grads):
         assert abs(float(g)) < 1e-2
+
+
+def test_marglik_training_descends_the_log_joint_with_the_tuned_noise():
+    """With `noise=True` the parameters descend the negative log joint,
+    L + σ²T/(2N)·δ‖θ‖² (laplace-torch's `MSE + δ‖θ‖²σ²T/N`), not L + δ‖θ‖²/(2N):
+    on linear regression, after the first hyperparameter update, they reach the
+    ridge solution with penalty δσ² (0.31 away from it before). Phase one (σ = 1,
+    δ = 1) ends at ridge(1); the hyperparameters tuned there hold in phase two."""
+    import optax
+
+    n, steps = 10, 1500
+    keys = jax.random.split(jax.random.key(7), 3)
+    model = eqx.nn.Linear(3, 1, key=keys[0], dtype=jnp.float64)
+    x = jax.random.normal(keys[1], (n, 3))
+    noise = 0.2 * jax.random.normal(keys[2], (n,))
+    t = (x @ jnp.array([1.0, -2.0, 0.5]) + 0.3 + noise)[:, None]
+    xa = np.concatenate([x, np.ones((n, 1))], axis=1)
+
+    def ridge(penalty):  # argmin ½‖Xθ − t‖² + ½ penalty ‖θ‖²
+        return np.linalg.solve(xa.T @ xa + penalty * np.eye(4), xa.T @ t[:, 0])
+
+    def loss(m, b):
+        return ef.squared_error(jax.vmap(m)(b[0]), b[1])
+
+    def at(theta):
+        return eqx.tree_at(
+            lambda m: (m.weight, m.bias), model, (theta[None, :3], theta[3:])
+        )
+
+    fit = ft.partial(la.fit, loss, batch=(x, t), likelihood="regression")
+    trained, _, _ = la.marglik_training(
+        loss,
+        model,
+        (x, t),
+        likelihood="regression",
+        structure=ef.Dense(),
+        optimizer=optax.sgd(0.1),
+        steps=2 * steps,
+        hyper_every=steps,
+        hyper_steps=300,
+        burn_in=steps,
+        noise=True,
+    )
+    first = fit(model=at(ridge(1.0)), structure=ef.Dense())
+    first, _ = la.optimize_hyperparameters(first, steps=300, noise=True)
+    delta, sigma = float(first.prior_precision["all"]), float(first.noise_std)
+    assert abs(sigma - 1) > 0.5  # the noise was tuned away from 1
+    theta = np.concatenate([np.ravel(trained.weight), np.ravel(trained.bias)])
+    np.testing.assert_allclose(theta, ridge(delta * sigma**2), rtol=1e-9)
 
 
 @pytest.mark.parametrize(

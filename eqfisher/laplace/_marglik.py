@@ -111,8 +111,9 @@ def marglik_training(
     r"""Online marginal-likelihood training (Immer et al., 2021), full batch.
 
     The parameters follow `optimizer` on the MAP objective
-    $L(\theta) + \frac{1}{2N} \sum_b \delta_b \lVert \theta_b \rVert^2$ (the mean loss
-    plus the prior, per block); after `burn_in` steps and then every `hyper_every`
+    $L(\theta) + \frac{\sigma^2 T}{2N} \sum_b \delta_b \lVert \theta_b \rVert^2$ (the
+    negative log joint over $N / (\sigma^2 T)$: the mean loss plus the prior, per
+    block, with the current $\sigma$; $\sigma = 1$ for classification); after `burn_in` steps and then every `hyper_every`
     steps, a Laplace posterior is fitted at the current parameters and $\delta$ (and
     $\sigma$ with `noise=True`) take `hyper_steps` Adam steps on its log marginal
     likelihood. The run ends with such an update.
@@ -224,14 +225,16 @@ def _map_objective(
     loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]],
     batch: PyTree,
 ) -> Float[Array, ""]:
-    """L(θ) + (1/2N) Σ_b δ_b ‖θ_b‖², with δ and N from `posterior`."""
+    """L(θ) + (σ²T/2N) Σ_b δ_b ‖θ_b‖², with δ, σ, T and N from `posterior`: the
+    negative log joint, −log p(D|θ) − log p(θ), over N/(σ²T)."""
     prior = eqx.tree_at(lambda p: p.model, posterior, model)
     values = block_values(prior.curvature, prior.mean, "marglik_training")
     penalty = sum(
         prior.prior_precision[n] * sum(jnp.sum(jnp.square(x)) for x in v)
         for n, v in values.items()
     )
-    return loss_fn(model, batch) + 0.5 * penalty / posterior.num_data
+    scale = posterior.noise_std**2 * posterior.temperature / posterior.num_data
+    return loss_fn(model, batch) + 0.5 * scale * penalty
 
 
 @eqx.filter_jit

@@ -9,6 +9,7 @@ import equinox as eqx
 import jax
 import jax.core
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree, ScalarLike
 
 from .._curvature import GGN, AbstractEstimator, AbstractStructure, Curvature, curvature
@@ -60,10 +61,14 @@ def _prior_dict(curv: Curvature, prior_precision, dtype) -> dict[str, Array]:
     else:
         values = {n: prior_precision for n in names}
     for n, v in values.items():
-        if jnp.shape(v) != ():
+        scalar = isinstance(v, int | float | np.number) or eqx.is_array(v)
+        if not scalar or jnp.shape(v) != ():
+            got = f"shape {jnp.shape(v)}" if scalar else type(v).__name__
             raise ValueError(
                 "`eqfisher.laplace.Laplace(..., prior_precision=...)`: expected a "
-                f"scalar (or a dict of scalars), got shape {jnp.shape(v)} for `{n}`."
+                f"scalar (or a dict of scalars), got {got} for `{n}`. The prior is "
+                "one precision per block, keyed by the curvature's block names; a "
+                "precision per parameter (laplace-torch's) is not offered."
             )
     call = "eqfisher.laplace.Laplace"
     return {n: _positive(v, dtype, call, "prior_precision") for n, v in values.items()}
@@ -162,7 +167,10 @@ class Laplace(eqx.Module):
         positive and finite raise `ValueError` (under `jit`, Equinox's runtime
         error).
         - `num_outputs`: $D$, regression only: the Gaussian normaliser is
-            $N D \log(\sigma \sqrt{2\pi})$.
+            $N D \log(\sigma \sqrt{2\pi})$. `fit` sets it from the registered loss;
+            built by hand, pass it for a model of several outputs (the default, 1,
+            is a one-output model's, and a wrong $D$ shifts the log marginal
+            likelihood and the $\sigma$ it tunes to).
         - `shift_invariant`: whether the likelihood ignores a shift common to all
             outputs: `True` for softmax, `False` for independent sigmoids (several
             labels per example) and regression; `None` (the default) takes
