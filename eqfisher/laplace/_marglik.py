@@ -113,10 +113,11 @@ def marglik_training(
     The parameters follow `optimizer` on the MAP objective
     $L(\theta) + \frac{\sigma^2 T}{2N} \sum_b \delta_b \lVert \theta_b \rVert^2$ (the
     negative log joint over $N / (\sigma^2 T)$: the mean loss plus the prior, per
-    block, with the current $\sigma$; $\sigma = 1$ for classification); after `burn_in` steps and then every `hyper_every`
-    steps, a Laplace posterior is fitted at the current parameters and $\delta$ (and
-    $\sigma$ with `noise=True`) take `hyper_steps` Adam steps on its log marginal
-    likelihood. The run ends with such an update.
+    block, with the current $\sigma$; $\sigma = 1$ for classification); after
+    `burn_in` steps and then every `hyper_every` steps, a Laplace posterior is
+    fitted at the current parameters and $\delta$ (and $\sigma$ with `noise=True`)
+    take `hyper_steps` Adam steps on its log marginal likelihood. The run ends with
+    such an update.
 
     **Arguments:**
 
