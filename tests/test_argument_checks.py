@@ -46,6 +46,30 @@ def test_hyperparameters_must_be_numbers(unchecked, value):
         optim.kfac(value, like=like())
 
 
+@pytest.mark.parametrize(
+    "kwargs, off",
+    [
+        (dict(momentum=None), True),  # optax's "no momentum"
+        (dict(weight_decay=None), True),
+        (dict(damping=None), False),
+        (dict(decay=None), False),
+    ],
+)
+def test_none_for_a_number_is_named(unchecked, kwargs, off):
+    # Python's "float() argument must be a string or a real number, not
+    # 'NoneType'" before, naming no argument.
+    (name,) = kwargs
+    match = rf"{name}=\.\.\.\)`: a real number.*got None"
+    with pytest.raises(
+        TypeError, match=match + (r" \(0 switches it off\)" if off else r"\.$")
+    ):
+        optim.kfac(0.1, like=like(), **kwargs)
+    with pytest.raises(TypeError, match=r"learning_rate=\.\.\.\)`: a real number"):
+        optim.kfac_preconditioner(like=like(), learning_rate=None)
+    with pytest.raises(TypeError, match=r"initial_damping=\.\.\.\)`: a real number"):
+        optim.kfac_adaptive(like=like(), initial_damping=None)
+
+
 def test_update_and_init_name_what_is_not_a_gradient_or_parameter(unchecked):
     model, batch = problem()
     opt = optim.kfac(0.1, like=like())

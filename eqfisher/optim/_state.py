@@ -100,10 +100,11 @@ def check_range(
     if not is_constant(value):
         return
     if not _is_real_scalar(value):
+        off = value is None and name in ("momentum", "weight_decay")
         raise TypeError(
             f"`eqfisher.optim.{caller}(..., {name}=...)`: a real number (or, where "
             "taken, a schedule: a function of the step count), got "
-            f"{value!r}."
+            f"{value!r}{' (0 switches it off)' if off else ''}."
         )
     v = float(value)
     ok = (v >= low if closed else v > low) and (high is None or v < high)
@@ -143,7 +144,7 @@ def checked_in_range(
 def _is_real_scalar(value: Any) -> bool:
     """Whether `value` is one real number: a Python or NumPy scalar, or an array of
     no axes (a string such as `"1e-2"` would pass `float`, a vector fail in it)."""
-    if isinstance(value, (str, bytes, bool)):
+    if value is None or isinstance(value, (str, bytes, bool)):
         return False
     try:
         dtype = jnp.result_type(value)
