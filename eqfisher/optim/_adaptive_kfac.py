@@ -25,8 +25,9 @@ class AdaptiveKFACState(NamedTuple):
 
     - `kfac`: the `KFACState` (averaged curvature, cached inverse, counters).
     - `steps`: the step rule's: `damping` (the current $\lambda$), `previous` (the
-      last update), `count`, and `rho` (the last reduction ratio: NaN before
-      the first adaptation, and after a step of zero length, where it is 0/0).
+      last update), `count`, and `rho` (the reduction ratio of the last
+      adaptation: NaN before the first, and after a step of zero length, where it
+      is 0/0).
 
     !!! Example
 
