@@ -2,6 +2,8 @@
 float64 references and factors built by hand, and a statistics program whose size
 does not grow with the number of steps."""
 
+from collections.abc import Callable
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -249,3 +251,56 @@ def test_pooled_factors_of_a_shared_cell_equal_the_per_step_sum(reduce, max_fact
     )
     np.testing.assert_allclose(g, sum(g_t for _, g_t, _ in parts), atol=1e-14)
     assert a.shape == ((H + F + 1,) * (2 if max_factor_dim is None else 1))
+
+
+class _Viewed(eqx.Module):
+    """`Stacked`, its stack scanned through `view` (a reversal or a slice)."""
+
+    model: Stacked
+    view: Callable = eqx.field(static=True)
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.model.layers, eqx.is_array)
+
+        def body(h, p):
+            return jnp.tanh(eqx.combine(p, static)(h)), None
+
+        params = jax.tree_util.tree_map(self.view, params)
+        return self.model.head(jax.lax.scan(body, x, params)[0])
+
+
+@pytest.mark.parametrize(
+    "view, primitive", [(lambda a: a[::-1], "rev"), (lambda a: a[1:], "slice")]
+)
+def test_a_view_of_a_stack_is_named_and_exact(view, primitive):
+    """A stacked leaf scanned through `leaf[::-1]` or `leaf[1:]` is not matched as
+    layers (its steps get exact diagonals); `find_layers` said "no layer pattern"
+    and now names the view."""
+    model = _Viewed(Stacked(jax.random.key(0), 3), view)
+    x = jax.random.normal(jax.random.key(1), (N, 2), F64)
+    batch = (x, jnp.arange(N) % C)
+    report = ef.find_layers(ce, model, batch)
+    assert [layer.name for layer in report.layers] == ["model.head"]
+    reasons = dict(zip(report.unmatched, report.reasons))
+    assert set(reasons) == {".model.layers.weight", ".model.layers.bias"}
+    assert all(f"read through `{primitive}`" in r for r in reasons.values())
+    reference = dense_ggn_cross_entropy(model, *batch)
+    curv = ef.curvature(
+        ce, model, batch, estimator=ef.GGN(), structure=ef.BlockDiagonal()
+    )
+    blocks = np.asarray(curv.as_matrix())
+    kept = np.zeros_like(reference)
+    for _, positions in curv.leaf_indices:
+        idx = np.concatenate([_flat_range(model, i) for i in positions])
+        kept[np.ix_(idx, idx)] = reference[np.ix_(idx, idx)]
+    np.testing.assert_allclose(blocks, kept, rtol=1e-12, atol=1e-15)
+
+
+def _flat_range(model, leaf):
+    """The positions of parameter leaf `leaf` in `ravel_pytree`'s vector."""
+    sizes = [
+        x.size
+        for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_inexact_array))
+    ]
+    start = sum(sizes[:leaf])
+    return np.arange(start, start + sizes[leaf])

@@ -261,7 +261,32 @@ def _reason(index: int, verdict: Verdict, graph: Graph) -> str:
         return (
             f"used inside `{control}`; layers inside control flow are not detected yet"
         )
+    view = _stack_view(graph, index)
+    if view is not None:
+        return (
+            f"read through `{view}` (a reversed or sliced view of its leading axis, "
+            "as `leaf[::-1]` or `leaf[1:]`) before its use: a layer's weight is "
+            "matched as the leaf itself or one step of it"
+        )
     return "no layer pattern"
+
+
+def _stack_view(graph: Graph, index: int) -> str | None:
+    """`rev` or `slice` when a parameter is first read through a reversal or a
+    slice of several steps of its leading axis (not one step, as an unrolled
+    scan reads a stacked leaf), else None."""
+    for user in graph.consumers.get(id(graph.srcvars[index]), []):
+        out = user.eqn.outvars[0].aval.shape
+        whole = user.eqn.invars[0].aval.shape
+        several = (
+            user.name == "slice"
+            and len(out) > 0
+            and out[0] > 1
+            and out[1:] == whole[1:]
+        )
+        if user.name == "rev" or several:
+            return user.name
+    return None
 
 
 def _control_flow_user(graph: Graph, index: int) -> str | None:
