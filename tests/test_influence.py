@@ -250,6 +250,26 @@ def test_an_inverse_over_other_parameters_than_where_names_where(which, built_wi
         assert got.shape == ((Q, N) if which == "influence_scores" else (N,))
 
 
+@pytest.mark.parametrize("which", ["influence_scores", "self_influence"])
+def test_an_inverse_over_another_layer_of_the_same_shapes_is_refused(which):
+    """Two hidden layers of one shape: a curvature of `layers[1]` scored with
+    `where=layers[2]` was accepted (the shapes agree), the scores 146% off."""
+    model = eqx.nn.MLP(
+        D_IN, D_OUT, 5, 3, activation=jnp.tanh, dtype=jnp.float64, key=jax.random.key(0)
+    )
+    _, train, query = setup()
+    first, second = ef.filters.by_path("layers[1].*"), ef.filters.by_path("layers[2].*")
+    curv = ef.curvature(
+        loss_fn, model, train, estimator=ef.GGN(), structure=ef.Dense(), where=first
+    )
+    inverse = inf.CurvatureInverse(curv, 0.1)
+    args = (train, query) if which == "influence_scores" else (train,)
+    match = r"takes the gradients of \['.layers\[1\].weight'.*selects \['.layers\[2\]"
+    with pytest.raises(ValueError, match=match):
+        getattr(inf, which)(loss_fn, model, *args, inverse, where=second)
+    getattr(inf, which)(loss_fn, model, *args, inverse, where=first)
+
+
 @pytest.mark.parametrize("damping", [0.0, -0.1, float("nan")])
 def test_a_damping_that_is_not_positive_is_refused(damping):
     # CG at damping 0 on a singular GGN returned scores of exactly zero.

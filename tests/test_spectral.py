@@ -503,7 +503,7 @@ def test_errors(unchecked):
     with pytest.raises(ValueError, match="distribution"):
         sp.Hutchinson(matvecs=4, distribution="gaussian")
     with pytest.raises(ValueError, match="more than the operator's size"):
-        sp.trace(op, sp.Hutchinson(matvecs=41), key=jr.key(0))
+        sp.trace(op, sp.XTrace(matvecs=82), key=jr.key(0))
     with pytest.raises(TypeError, match="`estimator` must be"):
         sp.trace(op, "hutchinson", key=jr.key(0))
     with pytest.raises(TypeError, match="`operator` must be a lineax operator"):
@@ -587,3 +587,44 @@ def test_rademacher_vectors_are_independent_fair_signs():
     for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
         v = random_vectors(jr.key(0), 7, 3, "rademacher", dtype)
         assert v.dtype == dtype and v.shape == (7, 3)
+
+
+def test_hutchinson_draws_more_vectors_than_the_size():
+    """Hutchinson is unbiased for any number of vectors (it was refused above the
+    size, as the sketching estimators are); on a diagonal operator its Rademacher
+    estimate is exact."""
+    d = jnp.arange(1.0, 41.0)
+    op = lx.MatrixLinearOperator(jnp.diag(d), PSD)
+    got = sp.trace(op, sp.Hutchinson(matvecs=100), key=jr.key(0))
+    np.testing.assert_allclose(got, jnp.sum(d), rtol=1e-12)
+    diagonal = sp.diagonal(op, sp.Hutchinson(matvecs=100), key=jr.key(1))
+    np.testing.assert_allclose(diagonal, d, rtol=1e-12)
+
+
+def test_eigen_methods_refuse_an_unsymmetric_operator():
+    """A random matrix, untagged: Lanczos gave (-49.0, 47.4) as its extreme
+    eigenvalues (its spectral radius is 4.5; they are complex). A symmetric
+    matrix left untagged is checked and accepted."""
+    matrix = jr.normal(jr.key(1), (20, 20))
+    op = lx.MatrixLinearOperator(matrix)
+    with pytest.raises(Exception, match="`operator` is not symmetric"):
+        sp.top_eigenpairs(op, 2, key=jr.key(0))
+    with pytest.raises(Exception, match="`operator` is not symmetric"):
+        sp.extreme_eigenvalues(op, iterations=10, key=jr.key(0))
+    with pytest.raises(Exception, match="`operator` is not symmetric"):
+        sp.spectral_density(op, iterations=10, key=jr.key(0))
+    symmetric = lx.MatrixLinearOperator(matrix + matrix.T)
+    values, _ = sp.top_eigenpairs(symmetric, 2, key=jr.key(0), iterations=20)
+    want = np.linalg.eigvalsh(np.asarray(matrix + matrix.T))[::-1][:2]
+    np.testing.assert_allclose(values, want, rtol=1e-10)
+
+
+def test_log_density_refuses_a_negative_boundary():
+    """`boundaries=(-1, 10)`, as `density` takes for an indefinite operator, gave
+    1024 NaN values on the log scale (of |λ|)."""
+    op, _ = operator("psd")
+    q = sp.lanczos_quadrature(op, iterations=10, key=jr.key(0))
+    with pytest.raises(ValueError, match=r"log scale is of \|λ\|"):
+        q.log_density(boundaries=(-1.0, 10.0))
+    grid, density = q.log_density(boundaries=(0.0, 10.0))
+    assert np.all(np.isfinite(density)) and np.all(np.isfinite(grid))

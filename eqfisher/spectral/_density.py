@@ -10,7 +10,7 @@ import lineax as lx
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._refusal import check_count, check_key
-from ._flat import flatten
+from ._flat import checked_symmetric, flatten
 from ._lanczos import lanczos_basis, lanczos_recurrence, tridiagonal_eigh
 
 
@@ -159,6 +159,13 @@ class Quadrature(eqx.Module):
                     f"`eqfisher.spectral.Quadrature.{method}(boundaries=(low, "
                     f"high))`: finite, with low < high, got {boundaries!r}."
                 )
+            if method == "log_density" and float(low) < 0:
+                raise ValueError(
+                    "`eqfisher.spectral.Quadrature.log_density(boundaries=(low, "
+                    "high))`: the log scale is of |λ|, so the boundaries are (min "
+                    f"|λ|, max |λ|) with 0 <= low, got {boundaries!r}; for an "
+                    "indefinite operator, e.g. `(0.0, max(-λ_min, λ_max))`."
+                )
         return jnp.asarray(low, nodes.dtype), jnp.asarray(high, nodes.dtype)
 
 
@@ -228,6 +235,7 @@ def lanczos_quadrature(
         return theta, y[0] ** 2
 
     nodes, weights = jax.vmap(run)(jax.random.split(key, repeats))
+    nodes, weights = checked_symmetric(flat, key, caller, (nodes, weights))
     return Quadrature(nodes, weights)
 
 

@@ -9,7 +9,7 @@ import lineax as lx
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from .._refusal import check_count, check_key
-from ._flat import flatten
+from ._flat import checked_symmetric, flatten
 from ._lanczos import lanczos_basis, lanczos_recurrence, tridiagonal_eigh
 
 
@@ -29,7 +29,8 @@ def top_eigenpairs(
     `iterations` × the number of parameters). The extreme eigenvalues converge
     first; `iterations` equal to the number of parameters gives them to working
     precision. A Ritz value is never beyond the true one ($\lambda_k \ge \theta_k$ for
-    `"largest"`).
+    `"largest"`). A repeated eigenvalue's further copies converge slowly (one
+    starting vector; see docs/spectral.md): raise `iterations` for them.
 
     **Arguments:**
 
@@ -87,7 +88,8 @@ def top_eigenpairs(
     if which == "smallest":
         order = jnp.arange(k)
     vectors = (basis.T @ y[:, order]).T
-    return theta[order], jax.vmap(flat.unravel)(vectors)
+    pairs = (theta[order], jax.vmap(flat.unravel)(vectors))
+    return checked_symmetric(flat, key, caller, pairs)
 
 
 @eqx.filter_jit
@@ -124,6 +126,7 @@ def extreme_eigenvalues(
     caller = "eqfisher.spectral.extreme_eigenvalues"
     check_count(iterations, "iterations", caller)
     check_key(caller, key)
-    alpha, beta = lanczos_recurrence(flatten(operator, caller), iterations, key)
+    flat = flatten(operator, caller)
+    alpha, beta = lanczos_recurrence(flat, iterations, key)
     theta, _ = tridiagonal_eigh(alpha, beta)
-    return theta[0], theta[-1]
+    return checked_symmetric(flat, key, caller, (theta[0], theta[-1]))

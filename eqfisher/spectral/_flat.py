@@ -11,6 +11,7 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._products import linearised
+from .._refusal import refused_where
 
 
 Distribution = Literal["rademacher", "normal"]
@@ -123,6 +124,29 @@ def _is_symmetric(operator: lx.AbstractLinearOperator) -> bool:
         return bool(lx.is_symmetric(operator))
     except NotImplementedError:
         return False
+
+
+def checked_symmetric(flat: FlatOperator, key: PRNGKeyArray, caller: str, carrier):
+    """`carrier`, after checking an operator lineax does not know to be symmetric
+    (an untagged `lineax.MatrixLinearOperator`, say) with one probe, uᵀAv = vᵀAu
+    for random u, v (two products): an eigenvalue method on an unsymmetric matrix
+    returns numbers that mean nothing. Equinox's runtime error under `jit`."""
+    if flat.symmetric:
+        return carrier
+    probe = jax.random.fold_in(key, 0x5E77)
+    uv = random_vectors(probe, flat.size, 2, "normal", flat.dtype)
+    a = flat.matmat(uv)
+    asymmetry = jnp.abs(uv[:, 0] @ a[:, 1] - uv[:, 1] @ a[:, 0])
+    norms = jnp.linalg.norm(uv, axis=0) * jnp.linalg.norm(a, axis=0)
+    bad = asymmetry > 1e-3 * jnp.sum(norms) + jnp.finfo(flat.dtype).tiny
+    message = (
+        f"`{caller}(operator, ...)`: `operator` is not symmetric (uᵀAv ≠ vᵀAu for "
+        "random u, v), and its eigenvalues by Lanczos would mean nothing. Pass a "
+        "symmetric operator: a curvature, `eqfisher.ggn_operator`, "
+        "`eqfisher.hessian_operator`, or a matrix tagged "
+        "`lineax.MatrixLinearOperator(matrix, lineax.symmetric_tag)`."
+    )
+    return refused_where(carrier, bad, message)
 
 
 def check_distribution(distribution: str, caller: str) -> None:

@@ -70,9 +70,11 @@ class AbstractTraceEstimator(eqx.Module):
     ) -> Float[Array, " size"]:
         """The diagonal estimate of `operator` (flattened), a flat vector."""
 
-    def _vectors(self, key, operator: FlatOperator, count: int):
+    def _vectors(self, key, operator: FlatOperator, count: int, *, sketch=True):
+        """`count` random vectors; a sketch (a basis from their products) of more
+        than the operator's size is refused: its QR would be degenerate."""
         name = type(self).__name__
-        if count > operator.size:
+        if sketch and count > operator.size:
             raise ValueError(
                 f"`{name}(matvecs={self.matvecs})` draws {count} vectors, more than the "
                 f"operator's size {operator.size}: lower `matvecs`, or compute the "
@@ -123,13 +125,13 @@ class Hutchinson(AbstractTraceEstimator):
         check_distribution(self.distribution, "eqfisher.spectral.Hutchinson")
 
     def trace(self, operator: FlatOperator, key: PRNGKeyArray) -> Float[Array, ""]:
-        w = self._vectors(key, operator, self.matvecs)
+        w = self._vectors(key, operator, self.matvecs, sketch=False)
         return jnp.sum(w * operator.matmat(w)) / self.matvecs
 
     def diagonal(
         self, operator: FlatOperator, key: PRNGKeyArray
     ) -> Float[Array, " size"]:
-        w = self._vectors(key, operator, self.matvecs)
+        w = self._vectors(key, operator, self.matvecs, sketch=False)
         return jnp.mean(w * operator.matmat(w), axis=1)
 
 
@@ -319,8 +321,10 @@ def trace(
     - `TypeError` when `operator` is not a lineax operator, its operand's leaves
       do not share one floating dtype, or `estimator` is not an
       `eqfisher.spectral` estimator.
-    - `ValueError` when `operator` is not square, or `batch_size` is not a
-      positive integer or `None`.
+    - `ValueError` when `operator` is not square, `batch_size` is not a
+      positive integer or `None`, or a sketching estimator (`HutchPlusPlus`,
+      `XTrace`) draws more vectors than the operator's size (`Hutchinson` may
+      draw any number).
 
     !!! Example
 
