@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.core
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool
 
 
@@ -18,7 +19,7 @@ _Carrier = TypeVar("_Carrier")
 
 def refused_where(
     carrier: _Carrier,
-    bad: Bool[Array, "..."],
+    bad: Bool[Array | np.ndarray, "..."],
     message: str,
     got: Callable[[], str] | None = None,
 ) -> _Carrier:
@@ -30,7 +31,7 @@ def refused_where(
         if all(jnp.ndim(x) == 0 for x in jax.tree_util.tree_leaves(carrier)):
             return eqx.error_if(carrier, bad, message)
         return _carried(carrier, eqx.error_if(jnp.asarray(0), bad, message))
-    if bool(jnp.any(bad)):
+    if bool(np.any(np.asarray(bad))):
         raise ValueError(message if got is None else f"{message} Got {got()}.")
     return carrier
 

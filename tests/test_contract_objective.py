@@ -366,12 +366,23 @@ def test_stop_gradient_normalisation_is_a_constant_factor():
 
 
 def test_negative_coefficient_is_refused():
+    """A constant coefficient (`-loss`) is known while tracing and refused then,
+    a `ValueError`; one the batch gives, at run time (Equinox's error)."""
     model, batch = _model(), _batch()
-    with pytest.raises(eqx.EquinoxRuntimeError, match="negative coefficient"):
+    with pytest.raises(ValueError, match="negative coefficient"):
         ef.curvature(
             lambda m, b: -_loss(m, b),
             model,
             batch,
+            estimator=ef.GGN(),
+            structure=ef.KFAC(),
+        )
+    weight = jnp.asarray(-2.0, jnp.float64)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="negative coefficient"):
+        ef.curvature(
+            lambda m, b: b[-1] * _loss(m, b[:-1]),
+            model,
+            (*batch, weight),
             estimator=ef.GGN(),
             structure=ef.KFAC(),
         ).as_matrix().block_until_ready()

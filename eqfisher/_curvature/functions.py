@@ -58,11 +58,13 @@ def curvature(
     - `TypeError` when `estimator`, `structure` or `examples` is not one of
       eqfisher's types.
     - `ValueError` when `FisherMC` gets no `key`, when `where` selects no
-      parameter, or when `loss_fn` registers no loss or its value is not affine in
-      the registered losses; each message names the fix.
+      parameter, or when `loss_fn` registers no loss, its value is not affine in
+      the registered losses, or one enters it with a negative constant
+      coefficient (`-loss`); each message names the fix.
     - `eqx.EquinoxRuntimeError` (a check on the values, when the curvature is
       computed) when examples interact inside `loss_fn` (BatchNorm statistics)
-      under `IndependentExamples()`; the message names the fix.
+      under `IndependentExamples()`, or a weight from the batch makes a loss's
+      coefficient negative; the message names the fix.
 
     !!! Example
 

@@ -11,10 +11,12 @@ import equinox as eqx
 import jax
 import jax.core
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, PyTree
 
 from .. import _compat
 from .._config import current_config
+from .._refusal import refused_where
 from ..losses import AbstractLossFamily, loss_tag_p, loss_value_tag_p
 from .analyses import (
     check_objective,
@@ -129,21 +131,24 @@ class LossProgram:
             return self.run(inputs, perturb, whole_program=True).outputs[self.objective]
 
         out, vjp = jax.vjp(objective, VarMap.zeros(used))
-        (ct,) = vjp(jnp.ones_like(out))
+        # The pull-back from a concrete cotangent: a coefficient that is a
+        # constant of the program (`mean`'s 1/N) comes out concrete, checked
+        # here, and a batch's weight traced, checked at run time.
+        with jax.ensure_compile_time_eval():
+            (ct,) = vjp(jnp.ones(jnp.shape(out), out.dtype))
         by_var = ct.as_dict()
+        message = (
+            f"`{self.caller}`: a registered loss enters the value `loss_fn` "
+            "returns with a negative coefficient: its GGN or Fisher would be "
+            "negative semidefinite, and eqfisher's curvature is positive "
+            "semidefinite. Return losses with nonnegative weights (maximising a "
+            "likelihood is minimising a registered negative log-likelihood)."
+        )
         coefs = []
         for v in self.value_vars:
             c = by_var[id(v)] if v is not None else jnp.zeros((), out.dtype)
-            c = eqx.error_if(
-                c,
-                c < 0,
-                f"`{self.caller}`: a registered loss enters the value `loss_fn` "
-                "returns with a negative coefficient: its GGN or Fisher would be "
-                "negative semidefinite, and eqfisher's curvature is positive "
-                "semidefinite. Return losses with nonnegative weights (maximising a "
-                "likelihood is minimising a registered negative log-likelihood).",
-            )
-            coefs.append(c)
+            bad = np.asarray(np.asarray(c) < 0) if _is_concrete(c) else c < 0
+            coefs.append(refused_where(c, bad, message))
         return tuple(coefs)
 
     def losses(
@@ -422,3 +427,8 @@ class StagedLoss:
 
 def _is_tracer_const(atom) -> bool:
     return isinstance(getattr(atom, "value", None), jax.core.Tracer)
+
+
+def _is_concrete(x) -> bool:
+    """Whether `x` is a value known while tracing (not a tracer)."""
+    return not isinstance(x, jax.core.Tracer)
