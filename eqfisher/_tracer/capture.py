@@ -147,7 +147,8 @@ class LossProgram:
         coefs = []
         for v in self.value_vars:
             c = by_var[id(v)] if v is not None else jnp.zeros((), out.dtype)
-            bad = np.asarray(np.asarray(c) < 0) if _is_concrete(c) else c < 0
+            concrete = not isinstance(c, jax.core.Tracer)
+            bad = np.asarray(np.asarray(c) < 0) if concrete else c < 0
             coefs.append(refused_where(c, bad, message))
         return tuple(coefs)
 
@@ -427,8 +428,3 @@ class StagedLoss:
 
 def _is_tracer_const(atom) -> bool:
     return isinstance(getattr(atom, "value", None), jax.core.Tracer)
-
-
-def _is_concrete(x) -> bool:
-    """Whether `x` is a value known while tracing (not a tracer)."""
-    return not isinstance(x, jax.core.Tracer)
