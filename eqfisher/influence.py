@@ -18,7 +18,6 @@ $\mathcal{I}_{\text{up,loss}}$ is $-\operatorname{score}$.
 
 import abc
 from collections.abc import Callable
-from typing import Any
 
 import equinox as eqx
 import jax
@@ -339,21 +338,20 @@ def _check_operand(
         )
     # Leaves of the same shapes may still be other leaves (two layers alike).
     paths, want = _selected_paths(got), _selected_paths(expected)
-    if len(paths[1]) == len(want[1]) and paths[0] != want[0]:
+    if len(paths) == len(want) and paths != want:
+        held = lambda entries: [p for p in entries if p is not None]  # noqa: E731
         raise ValueError(
             f"`eqfisher.influence.{caller}(..., inverse, where=...)`: `inverse` "
-            f"takes the gradients of {want[0]}, but `where=` selects {paths[0]} "
-            "(leaves of the same shapes). Pass the `where=` the curvature (or "
-            "operator) was built with."
+            f"takes the gradients of {held(want)}, but `where=` selects "
+            f"{held(paths)} (leaves of the same shapes). Pass the `where=` the "
+            "curvature (or operator) was built with."
         )
 
 
-def _selected_paths(tree: PyTree) -> tuple[list[str], list[Any]]:
-    """The paths of the leaves `tree` holds, and all its entries, `None` (a
-    parameter left out) included."""
+def _selected_paths(tree: PyTree) -> list[str | None]:
+    """The path of each leaf `tree` holds, `None` where a parameter is left out."""
     entries = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
-    held = [jax.tree_util.keystr(p) for p, x in entries if x is not None]
-    return held, [x for _, x in entries]
+    return [None if x is None else jax.tree_util.keystr(p) for p, x in entries]
 
 
 def _low_rank(x: Array, rank: int | None):

@@ -14,7 +14,7 @@ import eqfisher as ef
 from eqfisher import internal as stats
 from eqfisher.internal import StagedLoss, layer_outputs_vjp, split
 
-from .helpers import dense_ggn_cross_entropy
+from .helpers import block_slices, dense_ggn_cross_entropy
 
 
 F64 = jnp.float64
@@ -290,17 +290,10 @@ def test_a_view_of_a_stack_is_named_and_exact(view, primitive):
     )
     blocks = np.asarray(curv.as_matrix())
     kept = np.zeros_like(reference)
+    slices = block_slices(model)
     for _, positions in curv.leaf_indices:
-        idx = np.concatenate([_flat_range(model, i) for i in positions])
+        idx = np.concatenate(
+            [np.arange(s.start, s.stop) for s in (slices[i] for i in positions)]
+        )
         kept[np.ix_(idx, idx)] = reference[np.ix_(idx, idx)]
     np.testing.assert_allclose(blocks, kept, rtol=1e-12, atol=1e-15)
-
-
-def _flat_range(model, leaf):
-    """The positions of parameter leaf `leaf` in `ravel_pytree`'s vector."""
-    sizes = [
-        x.size
-        for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_inexact_array))
-    ]
-    start = sum(sizes[:leaf])
-    return np.arange(start, start + sizes[leaf])

@@ -8,6 +8,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
@@ -388,11 +389,12 @@ class Curvature(lx.AbstractLinearOperator):
                 "`Curvature.ema(other, decay)`: a dict `decay` needs one decay for "
                 f"each stored block, {sorted(self.stored)}; got {sorted(decay)}."
             )
-        # Checked here too, so that a refusal names the block.
-        of = {
-            k: check_scalar(d, f"decay[{k!r}]", jnp.result_type(float), upper=1.0)
-            for k, d in decay.items()
-        }
+        # A concrete decay is checked here too, so that a refusal names its block
+        # (a traced one is checked once, by the block's `ema`).
+        for k, d in decay.items():
+            if not isinstance(d, jax.core.Tracer):
+                check_scalar(d, f"decay[{k!r}]", jnp.result_type(float), upper=1.0)
+        of = dict(decay)
         for run in self.runs:
             of |= dict.fromkeys(run, of[run[0]])
         return of
