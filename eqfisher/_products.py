@@ -110,11 +110,11 @@ class MatrixFreeOperator(lx.AbstractLinearOperator):
                 f"unflattens it). Expected leaves shaped {shapes}, got {got}"
                 f"{'' if same else ' in another structure'}."
             )
-        return self.linearised().mv(vector)
+        return _product(self, vector)
 
     def as_matrix(self) -> Float[Array, "size size"]:
         """The dense matrix, rows and columns in `ravel_pytree` order."""
-        return self.linearised().as_matrix()
+        return _dense(self)
 
     def transpose(self) -> "MatrixFreeOperator":
         """Itself: the matrix is symmetric."""
@@ -217,6 +217,19 @@ class _Hessian(MatrixFreeOperator):
         else:
             _, hvp = jax.linearize(grad, params)
         return lx.FunctionLinearOperator(hvp, _structure(params), tags=self.tags())
+
+
+# Compiled, so that an operator used eagerly traces `loss_fn` once per shapes and
+# `loss_fn`, not at every call (and runs one program, not one per operation);
+# inside a caller's `jit` they are inlined.
+@eqx.filter_jit
+def _product(operator: MatrixFreeOperator, vector: PyTree) -> PyTree:
+    return operator.linearised().mv(vector)
+
+
+@eqx.filter_jit
+def _dense(operator: MatrixFreeOperator) -> Array:
+    return operator.linearised().as_matrix()
 
 
 def _register(cls: type) -> None:
