@@ -347,6 +347,8 @@ def test_aux_keeps_leaves_that_are_not_arrays():
         ("momentum", float("nan")),
         ("momentum", 1.0),
         ("weight_decay", -1.0),
+        ("learning_rate", -1.0),
+        ("damping", 0.0),
     ],
 )
 def test_hyperparameters_set_in_the_state_are_checked(name, value):
@@ -362,8 +364,10 @@ def test_hyperparameters_set_in_the_state_are_checked(name, value):
     state = opt.init(_params(model))
     step(model, state, batch)  # in range: runs
     state.hyperparams[name] = jnp.asarray(value, state.hyperparams[name].dtype)
-    with pytest.raises(eqx.EquinoxRuntimeError, match=rf"`{name}` must be"):
+    with pytest.raises(eqx.EquinoxRuntimeError, match=rf"`{name}` must be") as info:
         step(model, state, batch)
+    # The learning rate's and damping's said "a schedule returned" it: none did.
+    assert "inject_hyperparams`'s state" in str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -221,8 +221,9 @@ def checked_at(
     bound = ">= 0" if allow_zero else "> 0"
     message = (
         f"`eqfisher.optim.{caller}(..., {name}=...)`: `{name}` must be finite and "
-        f"{bound} at every update; a schedule returned a value that is not. Fix or "
-        f"clip the schedule (e.g. `lambda n: jnp.maximum(schedule(n), 1e-8)`)."
+        f"{bound} at every update; a schedule returned a value that is not, or one "
+        "was set in `optax.inject_hyperparams`'s state. Fix or clip the schedule "
+        "(e.g. `lambda n: jnp.maximum(schedule(n), 1e-8)`), or the value set."
     )
     value = jnp.asarray(value)
     ok = jnp.isfinite(value) & ((value >= 0) if allow_zero else (value > 0))
