@@ -205,18 +205,36 @@ class _Hessian(MatrixFreeOperator):
         def grad(p):
             return jax.grad(lambda q: loss_fn(eqx.combine(q, static), batch))(p)
 
-        if calls_custom_vjp(lambda p: loss_fn(eqx.combine(p, static), batch), params):
-            # A `jax.custom_vjp` function has no forward-mode rule: reverse over
-            # reverse instead (its custom rule differentiated), as `jax.jacrev` of
-            # `jax.jacrev` works where `jax.hessian` cannot.
-            def hvp(v):
-                return jax.grad(lambda p: optax.tree_utils.tree_vdot(grad(p), v))(
-                    params
-                )
+        def operator(hvp) -> lx.FunctionLinearOperator:
+            return lx.FunctionLinearOperator(hvp, _structure(params), tags=self.tags())
 
-        else:
-            _, hvp = jax.linearize(grad, params)
-        return lx.FunctionLinearOperator(hvp, _structure(params), tags=self.tags())
+        def reverse_over_reverse(v):
+            return jax.grad(lambda q: optax.tree_utils.tree_vdot(grad(q), v))(params)
+
+        def forward_over_reverse(v):
+            return jax.jvp(grad, (params,), (v,))[1]
+
+        if not calls_custom_vjp(
+            lambda p: loss_fn(eqx.combine(p, static), batch), params
+        ):
+            return operator(jax.linearize(grad, params)[1])
+        # JAX has no forward mode through most custom rules' gradients ("can't
+        # apply forward-mode autodiff (jvp) to a custom_vjp function", when the
+        # product runs): reverse over reverse (the custom rule differentiated),
+        # as `jax.jacrev` of `jax.jacrev` works where `jax.hessian` cannot.
+        try:
+            jax.eval_shape(reverse_over_reverse, params)
+        except ValueError as error:
+            # A custom rule whose own reverse mode fails (Equinox's checkpointed
+            # `while_loop`: "Reverse-mode differentiation does not work for
+            # lax.while_loop") may have a JVP: one of the gradient per product
+            # (`jax.linearize` would split the loop, which it refuses too).
+            try:
+                jax.eval_shape(forward_over_reverse, params)
+            except Exception:
+                raise error from None
+            return operator(forward_over_reverse)
+        return operator(reverse_over_reverse)
 
 
 # Compiled, so that an operator used eagerly traces `loss_fn` once per shapes and

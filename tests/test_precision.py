@@ -113,3 +113,63 @@ def test_float16_losses_and_laplace_count_more_than_65504_examples():
     np.testing.assert_allclose(
         post.log_marginal_likelihood(), ref.log_marginal_likelihood(), rtol=2e-3
     )
+
+
+def test_a_float32_layer_in_a_float64_model():
+    # `Dense()` stored its one matrix in its first leaf's dtype: float32 here, so
+    # the float64 layers' curvature was rounded at 1e-7. And on jax 0.12 the
+    # examples-alone check compared the float64 logits at float64's tolerance,
+    # though a float32 layer rounds an example alone and the batch apart: `Dense()`
+    # refused the model as one whose "examples interact".
+    model, batch = _setup(jnp.float64)
+    first = model.layers[0]
+    model = eqx.tree_at(
+        lambda m: (m.layers[0].weight, m.layers[0].bias),
+        model,
+        (first.weight.astype(jnp.float32), first.bias.astype(jnp.float32)),
+    )
+    x, y = batch
+
+    def mixed_loss(model, batch):
+        x, y = batch
+        return ef.softmax_cross_entropy(jax.vmap(model)(x.astype(jnp.float32)), y)
+
+    def last_layer_ggn(weight, bias):
+        """The float64 last layer's GGN block (jacfwd and the loss's Hessian)."""
+        flat, unravel = jax.flatten_util.ravel_pytree((weight, bias))
+
+        def logits(f):
+            w, b = unravel(f)
+            m = eqx.tree_at(
+                lambda m: (m.layers[-1].weight, m.layers[-1].bias), model, (w, b)
+            )
+            return jax.vmap(m)(x.astype(jnp.float32))
+
+        out = logits(flat)
+        jac = jax.jacfwd(logits)(flat).reshape(out.size, flat.size)
+
+        def loss(o):
+            o = o.reshape(out.shape)
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(o), y[:, None], 1))
+
+        return np.asarray(jac.T @ jax.hessian(loss)(out.ravel()) @ jac)
+
+    with jax.numpy_dtype_promotion("standard"):
+        last = model.layers[-1]
+        want = last_layer_ggn(last.weight, last.bias)
+        for structure in (ef.Dense(), ef.BlockDiagonal()):
+            curv = ef.curvature(
+                mixed_loss, model, batch, estimator=ef.GGN(), structure=structure
+            )
+            # A block's dtype is its widest leaf's: `Dense()`'s is float64.
+            widest = {
+                name: max(jnp.finfo(x.dtype).bits for x in jax.tree_util.tree_leaves(b))
+                for name, b in curv.blocks.items()
+            }
+            assert widest[list(widest)[-1]] == 64
+            got = np.asarray(curv.as_matrix())[-want.shape[0] :, -want.shape[0] :]
+            # To the float32 layer's rounding: eqfisher computes each example alone,
+            # the reference the batch, and jax 0.12's float32 products round them
+            # apart at 1e-8 here (jax 0.10's agree to 1e-16). The stored dtype
+            # above is what failed.
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8)

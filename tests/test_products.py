@@ -290,6 +290,37 @@ def test_output_products_through_a_custom_vjp_outside_the_layers():
     )
 
 
+def test_hessian_through_a_checkpointed_while_loop():
+    # docs/layers.md says `hessian_operator` works where a custom rule exists
+    # because the primal has no reverse mode (a checkpointed `while_loop`): it
+    # failed, with JAX's "Reverse-mode differentiation does not work for
+    # lax.while_loop" (`jax.linearize` splits the loop, and the custom-vjp path
+    # went reverse over reverse). One JVP of the gradient per product works.
+    model = mlp()
+    x, y = batch_for("softmax_ce")
+
+    def loss_fn(model, batch):
+        x, y = batch
+        h = eqx.internal.while_loop(
+            lambda c: c[0] < 3,
+            lambda c: (
+                c[0] + 1,
+                jnp.tanh(c[1] * model.layers[0].bias[None, : x.shape[1]]),
+            ),
+            (0, x),
+            max_steps=5,
+            kind="checkpointed",
+        )[1]
+        return LOSS_FNS["softmax_ce"](model, (h, y))
+
+    flat, rebuild = ravelled(model)
+    hessian = jax.jacfwd(jax.grad(lambda f: loss_fn(rebuild(f), (x, y))))(flat)
+    got = ef.hessian_operator(loss_fn, model, (x, y)).as_matrix()
+    np.testing.assert_allclose(got, hessian, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="Reverse-mode differentiation"):
+        ef.curvature(loss_fn, model, (x, y), estimator=ef.GGN(), structure=ef.Dense())
+
+
 @pytest.mark.parametrize("name", list(OPERATORS))
 def test_eager_products_trace_once(name):
     # Called outside `jit`, `mv` and `as_matrix` linearised the model again at

@@ -468,10 +468,15 @@ def _summed(grouping, needs) -> list:
 
 
 def _dtype_and_bias(g: Group, main: MainPass):
-    """A group's statistics dtype (at least float32) and whether it holds a
-    layer's bias beside its weight."""
-    shape = main.processed.unit_shape(main.split.params, g.param_indices[0])
-    return at_least_float32(shape[1]), len(g.param_indices) == 2
+    """A group's statistics dtype (its widest leaf's, at least float32) and
+    whether it holds a layer's bias beside its weight. (`Dense()`'s one group
+    over float32 and float64 leaves is float64: float32 would round the float64
+    leaves' curvature at 1e-7.)"""
+    dtypes = [
+        main.processed.unit_shape(main.split.params, i)[1] for i in g.param_indices
+    ]
+    widest = max(dtypes, key=lambda d: jnp.finfo(d).bits)
+    return at_least_float32(widest), len(g.param_indices) == 2
 
 
 def _outer_factors(g: Group, main: MainPass, steps_cache: dict):

@@ -106,11 +106,20 @@ class OneExample:
         return tuple(jnp.squeeze(t[0], a) for t, a in zip(ev.tags, self.loss_axes))
 
     def mismatch(self, full_inputs: Sequence[Array], alone: Sequence[Array]) -> Array:
-        """Whether any example's outputs computed alone differ from the batch's."""
+        """Whether any example's outputs computed alone differ from the batch's, by
+        more than the square root of the coarsest float precision among the
+        outputs, the parameters and the batch (a float32 layer in a float64 model
+        rounds an example alone and the batch apart at 1e-7)."""
+        floats = [
+            x.dtype
+            for x in list(self.s.params) + list(self.s.batch)
+            if jnp.issubdtype(x.dtype, jnp.inexact)
+        ]
         out = jnp.asarray(False)
         for x, a, y in zip(full_inputs, self.loss_axes, alone):
             x = jnp.moveaxis(x, a, 0)
-            tol = jnp.sqrt(jnp.finfo(x.dtype).eps) * (1 + jnp.max(jnp.abs(x)))
+            eps = max(float(jnp.finfo(d).eps) for d in floats + [x.dtype])
+            tol = jnp.sqrt(jnp.asarray(eps, x.dtype)) * (1 + jnp.max(jnp.abs(x)))
             out = out | (jnp.max(jnp.abs(x - y)) > tol)
         return out
 
