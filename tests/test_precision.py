@@ -173,3 +173,25 @@ def test_a_float32_layer_in_a_float64_model():
             # apart at 1e-8 here (jax 0.10's agree to 1e-16). The stored dtype
             # above is what failed.
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("structure", STRUCTURES)
+def test_a_damping_float32_cannot_hold_is_refused(structure):
+    # 1e-40 is positive, but 0 in float32: a NaN solve and a -inf logdet; 1e39 is
+    # inf there (a +inf logdet, a zero solve). Both passed the positivity check.
+    model, batch = _setup(jnp.float32)
+    curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=structure)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    logdet = eqx.filter_jit(lambda curv, damping: curv.logdet(damping))
+    for damping in (1e-40, 1e39):
+        with pytest.raises(ValueError, match=r"In float32, the curvature's dtype"):
+            curv.solve(params, damping)
+        with pytest.raises(ValueError, match=r"`damping` must be positive"):
+            curv.logdet(damping)
+        with pytest.raises(eqx.EquinoxRuntimeError, match=r"`damping` must be"):
+            logdet(curv, jnp.asarray(damping, jnp.float64))
+    for damping in (1e-30, 1e30):  # the range's ends that float32 holds
+        solved = curv.solve(params, damping)
+        assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(solved))
+        assert bool(jnp.isfinite(curv.logdet(damping)))
+        assert bool(jnp.isfinite(logdet(curv, jnp.asarray(damping))))

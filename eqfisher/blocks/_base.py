@@ -165,7 +165,9 @@ def _check_real(value, name: str) -> None:
 
 
 def check_damping(damping: ScalarLike, dtype) -> Float[Array, ""]:
-    """`damping` as a scalar array of `dtype`, after checking it is positive."""
+    """`damping` as a scalar array of `dtype`, after checking it is positive and
+    finite, in `dtype` too: a float32 block's damping of 1e-40 is 0 there (a NaN
+    solve), one of 1e39 is inf."""
     _check_real(damping, "damping")
     if jnp.shape(damping) != ():
         raise ValueError(f"`damping` must be a scalar, got shape {jnp.shape(damping)}.")
@@ -173,15 +175,26 @@ def check_damping(damping: ScalarLike, dtype) -> Float[Array, ""]:
         "`damping` must be positive and finite: B + damping·I must be positive "
         "definite."
     )
-    if isinstance(damping, jax.core.Tracer):
-        if _SCALARS_CHECKED.get():
-            return jnp.asarray(damping, dtype)
-        # `~(0 < d < inf)`, not `d <= 0`: NaN is refused too.
-        d = jnp.asarray(damping)
-        return eqx.error_if(
-            jnp.asarray(damping, dtype), ~((d > 0) & (d < jnp.inf)), message
+    if jnp.issubdtype(dtype, jnp.floating):
+        info = jnp.finfo(dtype)
+        low, high = float(info.tiny), float(info.max)
+        message += (
+            f" In {jnp.dtype(dtype).name}, the curvature's dtype, that is "
+            f"{low:.3g} <= damping <= {high:.3g}."
         )
-    if not 0 < float(np.asarray(damping)) < math.inf:
+    else:
+        low, high = 0.0, math.inf
+    if isinstance(damping, jax.core.Tracer):
+        cast = jnp.asarray(damping, dtype)
+        if _SCALARS_CHECKED.get():
+            return cast
+        # `~(0 < d < inf)`, not `d <= 0`: NaN is refused too; and `cast`, the
+        # value the block computes with, in range.
+        d = jnp.asarray(damping)
+        ok = (d > 0) & (d < jnp.inf) & (cast >= low) & (cast <= high)
+        return eqx.error_if(cast, ~ok, message)
+    value = float(np.asarray(damping))
+    if not (0 < value < math.inf and low <= value <= high):
         raise ValueError(f"{message} Got {damping}.")
     return jnp.asarray(damping, dtype)
 
