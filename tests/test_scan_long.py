@@ -297,3 +297,24 @@ def test_a_view_of_a_stack_is_named_and_exact(view, primitive):
         )
         kept[np.ix_(idx, idx)] = reference[np.ix_(idx, idx)]
     np.testing.assert_allclose(blocks, kept, rtol=1e-12, atol=1e-15)
+
+
+class _FlippedConv(eqx.Module):
+    kernel: jax.Array  # (out, in, kh, kw)
+
+    def __call__(self, x):
+        flipped = jnp.flip(self.kernel, (2, 3))
+        y = jax.lax.conv_general_dilated(x[None], flipped, (1, 1), "SAME")[0]
+        return y.reshape(-1)[:C]
+
+
+def test_a_kernel_flipped_on_other_axes_is_named_as_such():
+    # A convolution's kernel flipped on its spatial axes (a hand-written
+    # transposed convolution) was said to be read through "a reversed or sliced
+    # view of its leading axis, as `leaf[::-1]`": neither applies.
+    model = _FlippedConv(jax.random.normal(jax.random.key(0), (3, 2, 2, 2), F64))
+    x = jax.random.normal(jax.random.key(1), (N, 2, 4, 4), F64)
+    report = ef.find_layers(ce, model, (x, jnp.arange(N) % C))
+    (reason,) = report.reasons
+    assert "read flipped along axes (2, 3)" in reason
+    assert "leading axis" not in reason

@@ -261,20 +261,15 @@ def _reason(index: int, verdict: Verdict, graph: Graph) -> str:
         return (
             f"used inside `{control}`; layers inside control flow are not detected yet"
         )
-    view = _stack_view(graph, index)
-    if view is not None:
-        return (
-            f"read through `{view}` (a reversed or sliced view of its leading axis, "
-            "as `leaf[::-1]` or `leaf[1:]`) before its use: a layer's weight is "
-            "matched as the leaf itself or one step of it"
-        )
-    return "no layer pattern"
+    view = _view(graph, index)
+    return "no layer pattern" if view is None else view
 
 
-def _stack_view(graph: Graph, index: int) -> str | None:
-    """`rev` or `slice` when a parameter is first read through a reversal or a
-    slice of several steps of its leading axis (not one step, as an unrolled
-    scan reads a stacked leaf), else None."""
+def _view(graph: Graph, index: int) -> str | None:
+    """Why a parameter first read through a reversal (`rev`), or a slice of several
+    steps of its leading axis (not one step, as an unrolled scan reads a stacked
+    leaf), is no layer's weight; None for any other parameter."""
+    matched = "a layer's weight is matched as the leaf itself or one step of it"
     for user in graph.consumers.get(id(graph.srcvars[index]), []):
         out = user.eqn.outvars[0].aval.shape
         whole = user.eqn.invars[0].aval.shape
@@ -284,8 +279,21 @@ def _stack_view(graph: Graph, index: int) -> str | None:
             and out[0] > 1
             and out[1:] == whole[1:]
         )
-        if user.name == "rev" or several:
-            return user.name
+        axes = (
+            tuple(user.eqn.params.get("dimensions", ())) if user.name == "rev" else ()
+        )
+        if several or 0 in axes:
+            return (
+                f"read through `{user.name}` (a reversed or sliced view of its "
+                "leading axis, as `leaf[::-1]` or `leaf[1:]`) before its use: "
+                f"{matched}"
+            )
+        if axes:
+            return (
+                f"read flipped along axes {axes} (`rev`, as `jnp.flip`) before its "
+                f"use: {matched}; store it flipped, or use `eqx.nn.ConvTranspose` for "
+                "a transposed convolution"
+            )
     return None
 
 
