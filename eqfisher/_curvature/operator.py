@@ -145,8 +145,9 @@ class Curvature(lx.AbstractLinearOperator):
         if not all(jnp.issubdtype(d, jnp.floating) for d in dtypes):
             raise TypeError(
                 f"`Curvature.{method}(vector)`: `vector` must hold floating-point "
-                f"arrays, got dtypes {[str(d) for d in dtypes]}; an integer vector "
-                "would be truncated. Cast it, e.g. "
+                f"arrays, got dtypes {[str(d) for d in dtypes]} (an integer "
+                "vector would be truncated, a complex one's imaginary part "
+                "dropped). Cast it, e.g. "
                 "`jax.tree.map(lambda x: x.astype(float), vector)`."
             )
         return leaves, treedef
