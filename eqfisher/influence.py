@@ -311,6 +311,24 @@ def _gradient_fn(loss_fn: Callable, model: PyTree, where, caller: str) -> Callab
     return grad
 
 
+def _solved(inverse: AbstractInverse, vector: PyTree, caller: str) -> PyTree:
+    """`inverse.solve(vector)`, refused (while tracing) unless it is a PyTree like
+    `vector`: a transposed leaf gave scores of another shape, and `None` or a
+    flat vector JAX's errors."""
+    out = inverse.solve(vector)
+    same = jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(vector)
+    want = [jnp.shape(x) for x in jax.tree_util.tree_leaves(vector)]
+    got = [jnp.shape(x) for x in jax.tree_util.tree_leaves(out)]
+    if not same or got != want:
+        raise ValueError(
+            f"`eqfisher.influence.{caller}`: `{type(inverse).__name__}.solve(vector)` "
+            "must return a PyTree like `vector` (a gradient, leaves shaped "
+            f"{want}), got leaves shaped {got}"
+            f"{'' if same else ' in another structure'}."
+        )
+    return out
+
+
 def _check_operand(
     inverse: AbstractInverse, grad: Callable, batch: PyTree, caller: str
 ) -> None:
@@ -456,7 +474,9 @@ def _scores(
     _check_operand(inverse, grad, query, "influence_scores")  # raised when traced
 
     def precondition(q):
-        leaves = jax.tree_util.tree_leaves(inverse.solve(grad(q)))
+        leaves = jax.tree_util.tree_leaves(
+            _solved(inverse, grad(q), "influence_scores")
+        )
         return [_low_rank(x, query_rank) for x in leaves]
 
     def row(example):
@@ -512,6 +532,6 @@ def _self_scores(loss_fn, model, train, inverse, where, chunk_size):
 
     def one(example):
         g = grad(example)
-        return optax.tree_utils.tree_vdot(g, inverse.solve(g))
+        return optax.tree_utils.tree_vdot(g, _solved(inverse, g, "self_influence"))
 
     return jax.lax.map(one, train, batch_size=chunk_size)

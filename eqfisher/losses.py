@@ -514,7 +514,17 @@ def register_loss(
     tagged = loss_tag_p.bind(inputs, targets, mask, family=family)
     # Both sums in float32 at least: a float16 count above 65,504 is inf.
     wide = _precision.at_least_float32(inputs.dtype)
-    total = jnp.sum(mask * family.per_example(tagged, targets), dtype=wide)
+    per_example = family.per_example(tagged, targets)
+    if jnp.shape(per_example) != leading or not jnp.issubdtype(
+        jnp.result_type(per_example), jnp.floating
+    ):
+        raise ValueError(
+            f"`{caller}`: `{type(family).__name__}.per_example(inputs, targets)` "
+            f"must return one real loss per example, shaped {leading} (the leading "
+            f"axes of the inputs, the output axis summed), got "
+            f"{jnp.result_type(per_example)} of shape {jnp.shape(per_example)}."
+        )
+    total = jnp.sum(mask * per_example, dtype=wide)
     value = (total / jnp.sum(mask, dtype=wide)).astype(inputs.dtype)
     return loss_value_tag_p.bind(value)
 

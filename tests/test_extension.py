@@ -337,3 +337,58 @@ def test_a_user_block_type_is_refused_where_nothing_is_registered_for_it():
         ef.optim.tikhonov_inverse(block, 0.1)
     with pytest.raises(TypeError, match=r"sqrt_inverse_mv.*`ScaledFull`.*register"):
         ef.laplace.sqrt_inverse_mv(block, v, 1.0, 0.5)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(weight_sharing="reduced"),
+        dict(max_factor_dim=-3),
+        dict(max_factor_dim=True),
+        dict(max_factor_dim=2.5),
+    ],
+)
+def test_needs_refuses_what_kfac_refuses(unchecked, kwargs):
+    # `Needs(weight_sharing="reduced")` (a typo) computed "expand"'s factors, and
+    # `Needs(max_factor_dim=-3)` made every factor diagonal: `KFAC` refuses both.
+    (name,) = kwargs
+    for make in (ef.Needs, ef.KFAC):
+        with pytest.raises(ValueError, match=rf"\({name}=\.\.\.\)`: expected"):
+            make(**kwargs)
+
+
+class _UnitGaussian(ef.losses.AbstractLossFamily):
+    name = "unit gaussian"
+
+    def per_example(self, inputs, targets):
+        return 0.5 * jnp.sum((inputs - targets) ** 2, axis=-1)
+
+    def sample(self, key, inputs):
+        return inputs + jax.random.normal(key, inputs.shape, inputs.dtype)
+
+    def sqrt_hessian(self, inputs):
+        eye = jnp.eye(inputs.shape[-1], dtype=inputs.dtype)
+        return jnp.broadcast_to(eye, inputs.shape + inputs.shape[-1:])
+
+    def check_targets(self, inputs, targets, caller):
+        pass
+
+
+class _Summed(_UnitGaussian):
+    def per_example(self, inputs, targets):  # the sum over examples too
+        return 0.5 * jnp.sum((inputs - targets) ** 2)
+
+
+class _Integer(_UnitGaussian):
+    def per_example(self, inputs, targets):
+        return jnp.sum(jnp.round(inputs), -1).astype(jnp.int32)
+
+
+@pytest.mark.parametrize("family", [_Summed(), _Integer()])
+def test_a_family_per_example_of_another_shape_or_dtype_is_refused(family):
+    # A scalar (the sum over examples) gave a value and gradient 12 times the
+    # mean's beside the mean's curvature; integers gave a zero gradient.
+    x = jnp.ones((12, 3))
+    with pytest.raises(ValueError, match=r"must return one real loss per example"):
+        ef.register_loss(family, x, 2 * x)
+    assert ef.register_loss(_UnitGaussian(), x, 2 * x) == 1.5

@@ -349,3 +349,26 @@ def test_scores_compile_once_for_repeated_calls():
     for call in calls.values():
         call()
         assert compiled_during(call) == []
+
+
+class _Transposed(inf.AbstractInverse):
+    def solve(self, vector):
+        return jax.tree.map(lambda v: v.T, vector)
+
+
+class _Flat(inf.AbstractInverse):
+    def solve(self, vector):
+        return ravel_pytree(vector)[0]
+
+
+@pytest.mark.parametrize("inverse", [_Transposed(), _Flat()])
+def test_an_inverse_whose_solve_changes_the_shapes_is_refused(inverse):
+    # A `solve` transposing a weight's gradient gave scores of another shape
+    # (3 × 10 numbers, no error); a flat vector gave JAX's "dot_general requires
+    # contracting dimensions".
+    model, train, query = setup()
+    name = type(inverse).__name__
+    with pytest.raises(ValueError, match=rf"`{name}.solve\(vector\)` must return"):
+        inf.influence_scores(loss_fn, model, train, query, inverse)
+    with pytest.raises(ValueError, match=rf"`{name}.solve\(vector\)` must return"):
+        inf.self_influence(loss_fn, model, train, inverse)

@@ -628,3 +628,35 @@ def test_log_density_refuses_a_negative_boundary():
         q.log_density(boundaries=(-1.0, 10.0))
     grid, density = q.log_density(boundaries=(0.0, 10.0))
     assert np.all(np.isfinite(density)) and np.all(np.isfinite(grid))
+
+
+class _Misshapen(sp.AbstractTraceEstimator):
+    """Returns what `what` says: products of a V one row too long, a vector for
+    the trace, or too short a diagonal."""
+
+    what: str = eqx.field(static=True)
+    matvecs: int = 1
+    distribution: str = "rademacher"
+
+    def trace(self, operator, key):
+        if self.what == "rows":  # e_2 ... e_{P+1}: the last row was dropped
+            v = jnp.eye(operator.size + 1, dtype=operator.dtype)[:, 1:]
+            return jnp.trace(operator.matmat(v))
+        return jnp.diagonal(
+            operator.matmat(jnp.eye(operator.size, dtype=operator.dtype))
+        )
+
+    def diagonal(self, operator, key):
+        return jnp.zeros(operator.size - 1, operator.dtype)
+
+
+def test_an_estimator_of_other_shapes_is_refused():
+    # `matmat` of a V with P + 1 rows returned the superdiagonal's sum as a trace
+    # (no error); a `trace` returning a vector was passed on as the trace.
+    op, _ = _matrix(psd_matrix(6))
+    with pytest.raises(ValueError, match=r"must be a matrix of the operator's size"):
+        sp.trace(op, _Misshapen("rows"), key=jr.key(0))
+    with pytest.raises(ValueError, match=r"`_Misshapen.trace\(operator, key\)` must"):
+        sp.trace(op, _Misshapen("vector"), key=jr.key(0))
+    with pytest.raises(ValueError, match=r"must return a flat vector of the operator"):
+        sp.diagonal(op, _Misshapen("vector"), key=jr.key(0))

@@ -280,6 +280,16 @@ class InteractingExamples(AbstractExamples):
         return MainPassRows()
 
     def rows(self, staged, estimator, main, parts):
+        for v in main.per_loss:  # (k, *leading, out)
+            leading = v.ndim - 2
+            if not 0 <= self.axis < leading:
+                raise ValueError(
+                    f"`{staged.caller}(..., examples=eqfisher.InteractingExamples("
+                    f"axis={self.axis}))`: `axis` is the example axis among a "
+                    f"registered loss's leading axes, 0 <= axis < {leading} for a "
+                    f"loss whose inputs are shaped {v.shape[1:]} (the last axis is "
+                    "the output's)."
+                )
         full_vectors = stacked_vectors(
             [estimator.batch_vectors(v, self.axis) for v in main.per_loss]
         )

@@ -49,6 +49,14 @@ class FlatOperator(eqx.Module):
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
     def _columns(self, fn, vectors: Float[Array, "size k"]) -> Float[Array, "size k"]:
+        if jnp.ndim(vectors) != 2 or jnp.shape(vectors)[0] != self.size:
+            # `vectors` P + 1 rows long had its last row dropped, no error.
+            raise ValueError(
+                "`matmat(vectors)` / `rmatmat(vectors)`: `vectors` must be a matrix "
+                f"of the operator's size rows, shape ({self.size}, k), got shape "
+                f"{jnp.shape(vectors)}."
+            )
+        vectors = jnp.asarray(vectors, self.dtype)  # the operator's, as `ravel`
         if self.batch_size is None:
             return jax.vmap(fn, in_axes=1, out_axes=1)(vectors)
         return jax.lax.map(fn, vectors.T, batch_size=self.batch_size).T

@@ -336,7 +336,21 @@ def trace(
     caller = "eqfisher.spectral.trace"
     _check_estimator(estimator, caller)
     check_key(caller, key)
-    return estimator.trace(flatten(operator, caller, batch_size), key)
+    t = estimator.trace(flatten(operator, caller, batch_size), key)
+    if _shape(t) != ():
+        raise ValueError(
+            f"`{caller}`: `{type(estimator).__name__}.trace(operator, key)` must "
+            f"return a scalar, got {_shape(t) or type(t).__name__}."
+        )
+    return t
+
+
+def _shape(x) -> tuple[int, ...] | None:
+    """The shape of an array or a Python number; None for anything else (a tuple
+    of arrays, which `jnp.shape` would try to stack)."""
+    if isinstance(x, int | float) or hasattr(x, "shape"):
+        return tuple(jnp.shape(x))
+    return None
 
 
 @eqx.filter_jit
@@ -374,4 +388,11 @@ def diagonal(
     _check_estimator(estimator, caller)
     check_key(caller, key)
     flat = flatten(operator, caller, batch_size)
-    return flat.unravel(estimator.diagonal(flat, key))
+    d = estimator.diagonal(flat, key)
+    if _shape(d) != (flat.size,):
+        raise ValueError(
+            f"`{caller}`: `{type(estimator).__name__}.diagonal(operator, key)` must "
+            f"return a flat vector of the operator's size, shape ({flat.size},), "
+            f"got {_shape(d) or type(d).__name__}."
+        )
+    return flat.unravel(d)

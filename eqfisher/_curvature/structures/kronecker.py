@@ -9,7 +9,6 @@ import equinox as eqx
 import jax
 
 from ... import filters
-from ..._refusal import int_hint
 from ...blocks import AbstractBlock, KroneckerFactored
 from .protocol import (
     AbstractStructure,
@@ -17,6 +16,8 @@ from .protocol import (
     Needs,
     Statistics,
     WeightSharing,
+    check_max_factor_dim,
+    check_weight_sharing,
 )
 
 
@@ -57,11 +58,7 @@ class AbstractKroneckerStructure(AbstractStructure):
     weight_sharing: eqx.AbstractVar[WeightSharing]
 
     def __check_init__(self):
-        if self.weight_sharing not in ("expand", "reduce"):
-            raise ValueError(
-                f"`eqfisher.{type(self).__name__}(weight_sharing=...)`: expected "
-                f"'expand' or 'reduce', got {self.weight_sharing!r}."
-            )
+        check_weight_sharing(f"eqfisher.{type(self).__name__}", self.weight_sharing)
 
     def groups(self, candidates, model):
         for g in candidates:
@@ -155,12 +152,7 @@ class KFAC(AbstractKroneckerStructure):
     steps_alike = True
 
     def __check_init__(self):
-        m = self.max_factor_dim
-        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
-            raise ValueError(
-                "`eqfisher.KFAC(max_factor_dim=...)`: expected None or a positive "
-                f"int, got {m!r}{int_hint(m)}."
-            )
+        check_max_factor_dim("eqfisher.KFAC", self.max_factor_dim)
 
     def kronecker_needs(self):
         return Needs(

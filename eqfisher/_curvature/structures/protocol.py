@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PyTree
 
+from ..._refusal import int_hint
 from ..._tracer import LayerInfo, LayerRecord
 from ...blocks import (
     AbstractBlock,
@@ -37,6 +38,26 @@ else:
 
 
 GIB = 2**30
+
+
+def check_weight_sharing(call: str, weight_sharing: Any) -> None:
+    """Refuses a K-FAC variant other than "expand" and "reduce" (a typo computed
+    "expand"'s factors)."""
+    if weight_sharing not in ("expand", "reduce"):
+        raise ValueError(
+            f"`{call}(weight_sharing=...)`: expected 'expand' or 'reduce', got "
+            f"{weight_sharing!r}."
+        )
+
+
+def check_max_factor_dim(call: str, max_factor_dim: Any) -> None:
+    """Refuses a `max_factor_dim` that is not None or a positive int."""
+    m = max_factor_dim
+    if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+        raise ValueError(
+            f"`{call}(max_factor_dim=...)`: expected None or a positive int, got "
+            f"{m!r}{int_hint(m)}."
+        )
 
 
 def check_gib(call: str, max_gib: Any) -> None:
@@ -176,6 +197,10 @@ class Needs(eqx.Module):
     examples: bool = eqx.field(static=True, default=False)
     weight_sharing: WeightSharing = eqx.field(static=True, default="expand")
     max_factor_dim: int | None = eqx.field(static=True, default=None)
+
+    def __check_init__(self):
+        check_weight_sharing("eqfisher.Needs", self.weight_sharing)
+        check_max_factor_dim("eqfisher.Needs", self.max_factor_dim)
 
 
 class Statistics(eqx.Module):
