@@ -56,11 +56,19 @@ def shifted_inverses(factors: Sequence[Array], shifts: Array) -> list[Array]:
     shapes = [jax.ShapeDtypeStruct(f.shape, f.dtype) for f in factors]
     packing = Packing.of([*factors, shifts])
     return jax.pure_callback(
-        functools.partial(_numpy_inverses, packing),
+        _inverses_of(packing),
         shapes,
         *packing.pack([*factors, shifts]),
         vmap_method="sequential",
     )
+
+
+@functools.cache
+def _inverses_of(packing: "Packing") -> Callable[..., list[np.ndarray]]:
+    """The callback for one packing, one object for equal packings: jax compiles
+    a callback again for a new callable, so a new `functools.partial` at every
+    eager call (an update outside `jit`) was compiled at every call."""
+    return functools.partial(_numpy_inverses, packing)
 
 
 # jax hands a callback's operands to it as jax Arrays, a `device_put` each: about

@@ -392,3 +392,32 @@ def test_a_family_per_example_of_another_shape_or_dtype_is_refused(family):
     with pytest.raises(ValueError, match=r"must return one real loss per example"):
         ef.register_loss(family, x, 2 * x)
     assert ef.register_loss(_UnitGaussian(), x, 2 * x) == 1.5
+
+
+class _ReturnsMatrix(ef.optim.AbstractDamping):
+    def precompute(self, block, damping):
+        b = block.as_matrix()
+        return jnp.linalg.inv(b + damping * jnp.eye(b.shape[0], dtype=b.dtype))
+
+
+class _OtherParameters(ef.optim.AbstractDamping):
+    def precompute(self, block, damping):
+        return ef.blocks.DiagonalBlock((jnp.ones(3),))
+
+
+@pytest.mark.parametrize("variant", [_ReturnsMatrix(), _OtherParameters()])
+def test_a_damping_variant_returning_no_block_of_the_parameters_is_named(variant):
+    # A matrix was blamed on `Curvature.map_blocks`, a block of other parameters on
+    # the gradients' `where=`; neither named `precompute`.
+    model = eqx.nn.MLP(4, 3, 5, 1, key=jax.random.key(0), dtype=jnp.float64)
+    batch = (jax.random.normal(jax.random.key(1), (10, 4)), jnp.arange(10) % 3)
+
+    def loss_fn(model, batch):
+        return ef.softmax_cross_entropy(jax.vmap(model)(batch[0]), batch[1])
+
+    curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+    params = eqx.filter(model, eqx.is_inexact_array)
+    opt = ef.optim.kfac_preconditioner(like=curv, damping=0.1, damping_variant=variant)
+    name = type(variant).__name__
+    with pytest.raises(TypeError, match=rf"`{name}.precompute\(block, damping\)` must"):
+        opt.update(params, opt.init(params), params, curvature=curv)

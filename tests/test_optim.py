@@ -1141,3 +1141,33 @@ def test_the_model_passed_for_params_is_refused_naming_the_filter():
     _, grads, curv = VGC(model, batch)
     with pytest.raises(TypeError, match=r"update\(updates, state, params\)`"):
         opt.update(grads, opt.init(params), model, curvature=curv)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda like: optim.kfac(0.1, like=like),
+        lambda like: optim.kfac(0.1, like=like, inverse_every=2, momentum=0.9),
+        lambda like: optim.kfac_preconditioner(like=like),
+    ],
+)
+def test_an_eager_update_compiles_nothing_after_the_first(make):
+    # Called outside `jit`, as the README's loop does, every update compiled its
+    # `lax.cond`s (new closures each call) and the host inverse's callback (a new
+    # `functools.partial`) again: 0.2-0.7 s an update. Concrete conditions now
+    # take their branch, and the callback is one object per shapes.
+    model, batch = _problem()
+    opt = make(_like())
+    params = eqx.filter(model, eqx.is_inexact_array)
+    state = opt.init(params)
+    for _ in range(2):  # the refresh and the amortised branches, compiled
+        _, grads, curv = VGC(model, batch)
+        _, state = opt.update(grads, state, params, curvature=curv)
+    _, grads, curv = VGC(model, batch)
+    assert (
+        compiled_during(lambda: opt.update(grads, state, params, curvature=curv)) == []
+    )
+    # The same update as compiled.
+    eager = opt.update(grads, state, params, curvature=curv)
+    jitted = eqx.filter_jit(opt.update)(grads, state, params, curvature=curv)
+    assert tree_allclose(eager, jitted, rtol=1e-12, atol=1e-14)

@@ -177,5 +177,8 @@ def test_parts_must_be_pairs_of_filter_and_structure(unchecked):
         TypeError, match=r"part 0 must be a pair `\(where, structure\)`"
     ):
         ef.PerLayer((by_path("layers[0].*"), "diagonal"), default=ef.KFAC())
+    # A filter alone, not in a pair: Python's "'_ByPath' object is not iterable".
+    with pytest.raises(TypeError, match=r"part 0 must be a pair"):
+        ef.PerLayer(by_path("layers[0].*"), default=ef.KFAC())
     with pytest.raises(TypeError, match="`default` must be a structure"):
         ef.PerLayer(default="kfac")

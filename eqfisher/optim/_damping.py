@@ -77,7 +77,35 @@ class AbstractDamping(eqx.Module):
         """Every block's `precompute`: the damped inverse of a whole `Curvature`
         (the optimiser's cached inverse). A variant may override it to share work
         between blocks."""
-        return curvature.map_blocks(lambda b: self.precompute(b, damping))
+        return curvature.map_blocks(lambda b: precomputed(self, b, damping))
+
+
+def precomputed(
+    variant: AbstractDamping, block: AbstractBlock, damping: ScalarLike
+) -> AbstractBlock:
+    """`variant.precompute(block, damping)`, refused unless it is a block of the
+    same operand: a matrix returned was blamed on `Curvature.map_blocks`, a block
+    of other parameters on the gradients' `where=`."""
+    out = variant.precompute(block, damping)
+    want = [s.shape for s in block.in_structure()]
+    got = (
+        [s.shape for s in out.in_structure()]
+        if isinstance(out, AbstractBlock)
+        else None
+    )
+    if got != want:
+        if got is not None:
+            what = f"a block on shapes {got}"
+        elif hasattr(out, "shape"):
+            what = f"an array of shape {tuple(out.shape)}"
+        else:
+            what = type(out).__name__
+        raise TypeError(
+            f"`{type(variant).__name__}.precompute(block, damping)` must return a "
+            f"block (an `eqfisher.blocks` block) on the same parameters as `block`, "
+            f"shapes {want}; got {what}."
+        )
+    return out
 
 
 @functools.singledispatch
@@ -313,7 +341,7 @@ class FactoredTikhonov(AbstractDamping):
         stacked = {run[0] for run in curvature.runs}
         together = [k for k, b in curvature.stored.items() if _inverted_together(b)]
         rest = [k for k in curvature.stored if k not in together]
-        out = curvature.map_blocks(lambda b: self.precompute(b, damping), rest)
+        out = curvature.map_blocks(lambda b: precomputed(self, b, damping), rest)
         stacks = [
             curvature.stored[k]
             if k in stacked  # a stack of one otherwise

@@ -20,6 +20,7 @@ from ._state import (
     KFACState,
     ScalarOrSchedule,
     all_finite,
+    branch,
     check_preconditioner_args,
     check_range,
     checked_at,
@@ -164,7 +165,7 @@ def fold(
         # An inverse that came out non-finite is not cached: the old one is kept.
         return choose_tree(all_finite(new), new, state.inverse)
 
-    inverse = jax.lax.cond(refresh, refreshed, lambda: state.inverse)
+    inverse = branch(refresh, refreshed, lambda: state.inverse)
     return state._replace(
         curvature_count=n_good,
         nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
@@ -210,7 +211,7 @@ def receive(
                 f"{argument}: an int is a period, every k-th update: k >= 1, got {due}."
             )
         period = int(due)
-        return updates, jax.lax.cond(state.count % period == 0, folded, lambda: state)
+        return updates, branch(state.count % period == 0, folded, lambda: state)
     due = jnp.asarray(due)
     if due.shape != () or due.dtype != jnp.bool_:
         # `lax.cond` would read a nonzero integer array as true.
@@ -220,7 +221,7 @@ def receive(
         )
     updates = require_estimate(caller, updates, state, unless=due)
     # Between estimates the average is passed through, not recomputed and selected.
-    return updates, jax.lax.cond(due, folded, lambda: state)
+    return updates, branch(due, folded, lambda: state)
 
 
 def precondition(caller: str, updates: PyTree, state: KFACState) -> PyTree:

@@ -16,6 +16,7 @@ import optax
 from jaxtyping import Array, Float, Int, PyTree, ScalarLike
 
 from .._products import ggn_operator
+from ._state import branch
 
 
 class QuadraticModel:
@@ -139,7 +140,7 @@ def adaptive_steps(
             dtype = state.damping.dtype
             return jnp.array(lam, dtype=dtype), jnp.array(rho, dtype=dtype)
 
-        lam, rho = jax.lax.cond(
+        lam, rho = branch(
             (state.count + 1) % adapt_every == 0,
             adapt,
             lambda lam: (jnp.array(lam, dtype=lam.dtype), state.rho),

@@ -349,7 +349,17 @@ def where_tree(cond: Array, new: PyTree, old: PyTree) -> PyTree:
 def choose_tree(cond: Array, new: PyTree, old: PyTree) -> PyTree:
     """`new` where `cond` else `old`, for whole trees: a `lax.cond` that passes one
     of them through (no kernel per leaf, as `where_tree`'s selects are)."""
-    return jax.lax.cond(cond, lambda: new, lambda: old)
+    return branch(cond, lambda: new, lambda: old)
+
+
+def branch(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any) -> Any:
+    """`lax.cond(pred, true_fun, false_fun, *operands)` inside a trace; where `pred`
+    is concrete (an update called outside `jit`, as in the README's loop), the
+    branch itself. An eager `lax.cond` of new closures compiled both branches
+    again at every call (0.2-0.7 s an update)."""
+    if isinstance(pred, jax.core.Tracer):
+        return jax.lax.cond(pred, true_fun, false_fun, *operands)
+    return true_fun(*operands) if bool(pred) else false_fun(*operands)
 
 
 def curvature_like(fn: Callable, *args: Any, **kwargs: Any) -> Curvature:

@@ -55,7 +55,7 @@ class PerLayer(AbstractStructure):
 
     def __init__(self, *parts: tuple[object, AbstractStructure], default):
         # Pairs given as lists become tuples; `__check_init__` checks they are pairs.
-        pairs = tuple(tuple(p) for p in parts)
+        pairs = tuple(tuple(p) if isinstance(p, tuple | list) else (p,) for p in parts)
         self.parts = cast(tuple[tuple[object, AbstractStructure], ...], pairs)
         self.default = default
 
@@ -109,7 +109,10 @@ class PerLayer(AbstractStructure):
             twice = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(
                 "`eqfisher.PerLayer(...)`: two parts "
-                f"build blocks named {twice}; use at most one `Dense()` part."
+                f"build blocks named {twice}, and a block's name must come from "
+                "one part (a `Dense()` part's block is `'all'`: use at most one "
+                "`Dense()` part; a structure of your own names its groups in its "
+                "`groups`)."
             )
         return tuple(out)
 
