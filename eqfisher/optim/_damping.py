@@ -97,7 +97,7 @@ def precomputed(
         if got is not None:
             what = f"a block on shapes {got}"
         elif hasattr(out, "shape"):
-            what = f"an array of shape {tuple(out.shape)}"
+            what = f"an array of shape {jnp.shape(out)}"
         else:
             what = type(out).__name__
         raise TypeError(
