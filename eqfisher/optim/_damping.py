@@ -7,7 +7,7 @@ preconditioning is then that block's `mv` (every step).
 
 import abc
 import functools
-from typing import cast
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -86,7 +86,7 @@ def precomputed(
     """`variant.precompute(block, damping)`, refused unless it is a block of the
     same operand: a matrix returned was blamed on `Curvature.map_blocks`, a block
     of other parameters on the gradients' `where=`."""
-    out = variant.precompute(block, damping)
+    out: Any = variant.precompute(block, damping)  # checked below
     want = [s.shape for s in block.in_structure()]
     got = (
         [s.shape for s in out.in_structure()]
