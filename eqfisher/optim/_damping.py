@@ -7,7 +7,7 @@ preconditioning is then that block's `mv` (every step).
 
 import abc
 import functools
-from typing import Any, cast
+from typing import cast
 
 import equinox as eqx
 import jax
@@ -86,7 +86,7 @@ def precomputed(
     """`variant.precompute(block, damping)`, refused unless it is a block of the
     same operand: a matrix returned was blamed on `Curvature.map_blocks`, a block
     of other parameters on the gradients' `where=`."""
-    out: Any = variant.precompute(block, damping)  # checked below
+    out = variant.precompute(block, damping)
     want = [s.shape for s in block.in_structure()]
     got = (
         [s.shape for s in out.in_structure()]
@@ -96,8 +96,8 @@ def precomputed(
     if got != want:
         if got is not None:
             what = f"a block on shapes {got}"
-        elif hasattr(out, "shape"):
-            what = f"an array of shape {jnp.shape(out)}"
+        elif getattr(out, "shape", None) is not None:
+            what = f"an array of shape {tuple(getattr(out, 'shape', ()))}"
         else:
             what = type(out).__name__
         raise TypeError(
