@@ -142,7 +142,7 @@ class _OutputProduct(MatrixFreeOperator):
         return frozenset({lx.symmetric_tag, lx.positive_semidefinite_tag})
 
     def check(self, loss_fn, model, batch) -> None:
-        StagedLoss(loss_fn, self.caller).stage(split(model, batch), layers=False)
+        _staged(self.caller, loss_fn, model, batch)
 
     def linearise_at(self, loss_fn, model, batch) -> lx.FunctionLinearOperator:
         s = split(model, batch)
@@ -235,6 +235,14 @@ class _Hessian(MatrixFreeOperator):
                 raise error from None
             return operator(forward_over_reverse)
         return operator(reverse_over_reverse)
+
+
+# Compiled (to nothing), so that an operator built again for a new batch of the
+# same shapes does not trace `loss_fn` again to check it: jit's cache keeps the
+# trace, as `eqfisher.curvature`'s does.
+@eqx.filter_jit
+def _staged(caller: str, loss_fn: Callable, model: PyTree, batch: PyTree) -> None:
+    StagedLoss(loss_fn, caller).stage(split(model, batch), layers=False)
 
 
 # Compiled, so that an operator used eagerly traces `loss_fn` once per shapes and

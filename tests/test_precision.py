@@ -195,3 +195,26 @@ def test_a_damping_float32_cannot_hold_is_refused(structure):
         assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(solved))
         assert bool(jnp.isfinite(curv.logdet(damping)))
         assert bool(jnp.isfinite(logdet(curv, jnp.asarray(damping))))
+
+
+def test_adaptive_kfac_trains_a_bfloat16_model_under_strict_promotion():
+    # The step `alpha·Δ + mu·δ₋₁` came out float32 for bfloat16 leaves, so the
+    # state's `previous` changed dtype and the second update was refused ("other
+    # blocks or shapes than `like=`"); under strict promotion the bfloat16 Gram
+    # matrix met the float32 damping, and the loss the float32 squares.
+    model, batch = _setup(jnp.bfloat16)
+    vgc = ef.value_grad_and_curvature(loss_fn, estimator=ef.GGN(), structure=ef.KFAC())
+    like = ef.optim.curvature_like(vgc, model, batch)
+    opt = ef.optim.kfac_adaptive(like=like, adapt_every=1)
+    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    structure = jax.tree_util.tree_structure(state)
+    dtypes = [x.dtype for x in jax.tree_util.tree_leaves(state)]
+    step = ef.optim.kfac_step(loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC())
+    losses = []
+    with jax.numpy_dtype_promotion("strict"):
+        for _ in range(3):
+            model, state, loss = step(model, state, batch)
+            losses.append(float(loss))
+    assert jax.tree_util.tree_structure(state) == structure
+    assert [x.dtype for x in jax.tree_util.tree_leaves(state)] == dtypes
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]

@@ -16,7 +16,7 @@ import optax
 from jaxtyping import Array, Float, Int, PyTree, ScalarLike
 
 from .._products import ggn_operator
-from ._state import branch
+from ._state import branch, float_type
 
 
 class QuadraticModel:
@@ -123,14 +123,24 @@ def adaptive_steps(
         b = _vdots([grads], vectors)[0].astype(curvature.dtype)
         undamped = curvature + weight_decay * norms  # the objective's curvature
         alpha, mu = _coefficients(undamped + state.damping * norms, b)
-        step = jax.tree.map(lambda d, p: alpha * d + mu * p, delta, prev)
+        # In the coefficients' precision, then each leaf's own dtype: a bfloat16
+        # leaf's step came out float32, and the state's `previous` with it.
+        step = jax.tree.map(
+            lambda d, p: (
+                alpha * d.astype(alpha.dtype) + mu * p.astype(alpha.dtype)
+            ).astype(p.dtype),
+            delta,
+            prev,
+        )
         # M(δ) − M(0) of the undamped model: bᵀc + ½ cᵀ A c.
         c = jnp.stack([alpha, mu])
         reduction = jnp.dot(b, c) + 0.5 * c @ undamped @ c
 
         def objective(params):
-            squares = sum(jnp.sum(jnp.square(p)) for p in jax.tree.leaves(params))
-            return quadratic.loss(params) + 0.5 * weight_decay * squares
+            leaves = jax.tree.leaves(params)
+            wide = float_type(leaves)  # one dtype for the sum (strict promotion)
+            squares = sum(jnp.sum(jnp.square(p.astype(wide))) for p in leaves)
+            return quadratic.loss(params).astype(wide) + 0.5 * weight_decay * squares
 
         def adapt(lam):
             rho = _reduction_ratio(objective, params, step, reduction)
@@ -152,10 +162,19 @@ def adaptive_steps(
 
 
 def _vdots(us: list[PyTree], vs: list[PyTree]) -> Array:
-    """The matrix of dot products uᵢᵀvⱼ."""
-    return jnp.stack(
-        [jnp.stack([optax.tree_utils.tree_vdot(u, v) for v in vs]) for u in us]
-    )
+    """The matrix of dot products uᵢᵀvⱼ, in float32 at least (float64 where a leaf
+    is): a bfloat16 model's Gram matrix was bfloat16, and met the float32 damping
+    in a sum that strict dtype promotion refuses."""
+    wide = float_type([x for tree in us + vs for x in jax.tree.leaves(tree)])
+
+    def vdot(u: PyTree, v: PyTree) -> Array:
+        pairs = zip(jax.tree.leaves(u), jax.tree.leaves(v))
+        return sum(
+            (jnp.vdot(a.astype(wide), b.astype(wide)) for a, b in pairs),
+            jnp.zeros((), wide),
+        )
+
+    return jnp.stack([jnp.stack([vdot(u, v) for v in vs]) for u in us])
 
 
 def _initial_state(params: PyTree, initial_damping: float) -> AdaptiveState:
