@@ -660,3 +660,15 @@ def test_an_estimator_of_other_shapes_is_refused():
         sp.trace(op, _Misshapen("vector"), key=jr.key(0))
     with pytest.raises(ValueError, match=r"must return a flat vector of the operator"):
         sp.diagonal(op, _Misshapen("vector"), key=jr.key(0))
+
+
+def test_half_precision_is_refused_where_a_factorisation_is_needed():
+    # jax has no bfloat16 QR or eigh: the sketching estimators and Lanczos failed
+    # with "Unsupported dtype bfloat16" (jax 0.10) or "qr does not accept dtype".
+    op = lx.MatrixLinearOperator(jnp.asarray(psd_matrix(6), jnp.bfloat16), PSD)
+    t = sp.trace(op, sp.Hutchinson(matvecs=4), key=jr.key(0))
+    assert t.dtype == jnp.bfloat16 and bool(jnp.isfinite(t))
+    with pytest.raises(TypeError, match=r"`XTrace\(matvecs=4\)` factorises"):
+        sp.trace(op, sp.XTrace(matvecs=4), key=jr.key(0))
+    with pytest.raises(TypeError, match=r"top_eigenpairs` factorises .* bfloat16"):
+        sp.top_eigenpairs(op, 1, key=jr.key(0))

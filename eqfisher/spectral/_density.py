@@ -10,7 +10,7 @@ import lineax as lx
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._refusal import check_count, check_key
-from ._flat import checked_symmetric, flatten
+from ._flat import checked_symmetric, flatten, require_factorisable
 from ._lanczos import lanczos_basis, lanczos_recurrence, tridiagonal_eigh
 
 
@@ -220,6 +220,7 @@ def lanczos_quadrature(
     check_count(repeats, "repeats", caller)
     check_key(caller, key)
     flat = flatten(operator, caller)
+    require_factorisable(flat, caller)
     if reorthogonalise and iterations > flat.size:
         raise ValueError(
             f"`{caller}(iterations={iterations})` must be at most the operator's size "

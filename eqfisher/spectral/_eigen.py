@@ -9,7 +9,7 @@ import lineax as lx
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from .._refusal import check_count, check_key
-from ._flat import checked_symmetric, flatten
+from ._flat import checked_symmetric, flatten, require_factorisable
 from ._lanczos import lanczos_basis, lanczos_recurrence, tridiagonal_eigh
 
 
@@ -59,6 +59,7 @@ def top_eigenpairs(
     caller = "eqfisher.spectral.top_eigenpairs"
     check_key(caller, key)
     flat = flatten(operator, caller)
+    require_factorisable(flat, caller)
     check_count(k, "k", caller)
     if k > flat.size:
         raise ValueError(
@@ -127,6 +128,7 @@ def extreme_eigenvalues(
     check_count(iterations, "iterations", caller)
     check_key(caller, key)
     flat = flatten(operator, caller)
+    require_factorisable(flat, caller)
     alpha, beta = lanczos_recurrence(flat, iterations, key)
     theta, _ = tridiagonal_eigh(alpha, beta)
     return checked_symmetric(flat, key, caller, (theta[0], theta[-1]))

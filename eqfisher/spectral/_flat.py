@@ -77,6 +77,21 @@ class FlatOperator(eqx.Module):
         )
 
 
+def require_factorisable(operator: FlatOperator, caller: str) -> None:
+    """Refuses a half-precision operand where `caller` factorises in its dtype (a
+    QR of its products, a tridiagonal eigendecomposition): jax's linear algebra
+    has no bfloat16 or float16 kernels (its error named neither)."""
+    if jnp.finfo(operator.dtype).bits < 32:
+        raise TypeError(
+            f"`{caller}` factorises (QR, eigh) in the operand's dtype, "
+            f"{jnp.dtype(operator.dtype).name}, which jax's linear algebra does "
+            "not support: build the operator from the model cast to float32, e.g. "
+            "`jax.tree.map(lambda x: x.astype(jnp.float32) if "
+            "eqx.is_inexact_array(x) else x, model)` (`Hutchinson` and "
+            "`squared_frobenius_norm` work in half precision)."
+        )
+
+
 def flatten(
     operator: lx.AbstractLinearOperator, caller: str, batch_size: int | None = None
 ) -> FlatOperator:

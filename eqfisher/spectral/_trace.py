@@ -17,6 +17,7 @@ from ._flat import (
     check_distribution,
     flatten,
     random_vectors,
+    require_factorisable,
 )
 
 
@@ -74,6 +75,8 @@ class AbstractTraceEstimator(eqx.Module):
         """`count` random vectors; a sketch (a basis from their products) of more
         than the operator's size is refused: its QR would be degenerate."""
         name = type(self).__name__
+        if sketch:  # QR'd
+            require_factorisable(operator, f"{name}(matvecs={self.matvecs})")
         if sketch and count > operator.size:
             raise ValueError(
                 f"`{name}(matvecs={self.matvecs})` draws {count} vectors, more than the "
