@@ -218,3 +218,17 @@ def test_adaptive_kfac_trains_a_bfloat16_model_under_strict_promotion():
     assert jax.tree_util.tree_structure(state) == structure
     assert [x.dtype for x in jax.tree_util.tree_leaves(state)] == dtypes
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_linearised_predictive_samples_of_a_half_precision_diagonal_posterior(dtype):
+    # A `Diagonal()` posterior samples in float32: the linearised predictive gave
+    # `jax.jvp` float32 tangents for half-precision primals ("primal and tangent
+    # arguments to jax.jvp do not match").
+    model, (x, y) = _setup(dtype)
+    post = ef.laplace.fit(
+        loss_fn, model, (x, y), likelihood="classification", structure=ef.Diagonal()
+    )
+    samples = ef.laplace.predictive_samples(post, x[:4], jax.random.key(1), 3)
+    assert samples.shape == (3, 4, 3)
+    assert bool(jnp.all(jnp.isfinite(samples)))

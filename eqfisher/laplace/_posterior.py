@@ -399,7 +399,11 @@ class Laplace(eqx.Module):
                 return sqrt_inverse_mv(block, parts, scale, prior)
 
             noise = map_blocks(self.curvature, z, fn, "Laplace.sample")
-            return jax.tree_util.tree_map(lambda m, e: m + e, self.mean, noise)
+            # In the parameters' dtypes: a `Diagonal()` block of a half-precision
+            # model draws float32 noise.
+            return jax.tree_util.tree_map(
+                lambda m, e: (m.astype(e.dtype) + e).astype(m.dtype), self.mean, noise
+            )
 
         # vmap, not lax.map: the factorisations are computed once, not per sample.
         return jax.vmap(one)(jax.random.split(key, num_samples))
