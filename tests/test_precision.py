@@ -4,6 +4,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import eqfisher as ef
@@ -232,3 +233,32 @@ def test_linearised_predictive_samples_of_a_half_precision_diagonal_posterior(dt
     samples = ef.laplace.predictive_samples(post, x[:4], jax.random.key(1), 3)
     assert samples.shape == (3, 4, 3)
     assert bool(jnp.all(jnp.isfinite(samples)))
+
+
+def test_laplace_diagnosis_and_training_of_a_bfloat16_model_under_strict_promotion():
+    # Both summed the bfloat16 leaves' squares with the float32 hyperparameters,
+    # which strict dtype promotion refuses (the rest of the API ran).
+    model, (x, y) = _setup(jnp.bfloat16)
+    kwargs = dict(likelihood="classification", structure=ef.KFAC())
+    with jax.numpy_dtype_promotion("strict"):
+        post = ef.laplace.fit(loss_fn, model, (x, y), **kwargs)
+        diagnosis = ef.laplace.predictive_diagnosis(post, x[:4])
+        assert all(
+            bool(jnp.all(jnp.isfinite(v))) for v in jax.tree_util.tree_leaves(diagnosis)
+        )
+        trained, tuned, history = ef.laplace.marglik_training(
+            loss_fn,
+            model,
+            (x, y),
+            optimizer=optax.sgd(1e-3),
+            steps=2,
+            hyper_every=1,
+            hyper_steps=1,
+            **kwargs,
+        )
+    trained_params = eqx.filter(trained, eqx.is_inexact_array)
+    assert all(
+        x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(trained_params)
+    )
+    assert bool(jnp.all(jnp.isfinite(jnp.asarray(history))))
+    assert bool(jnp.isfinite(tuned.log_marginal_likelihood()))

@@ -201,13 +201,20 @@ def predictive_diagnosis(
             parts = block_values(
                 posterior.curvature, row, "eqfisher.laplace.predictive_diagnosis"
             )
+            # In the hyperparameters' dtype (float32 for a half-precision model),
+            # which strict dtype promotion does not mix with the leaves'.
+            wide = posterior.noise_std.dtype
             prior = sum(
-                sum(jnp.sum(jnp.square(p)) for p in v) / posterior.prior_precision[n]
+                sum(jnp.sum(jnp.square(p.astype(wide))) for p in v)
+                / posterior.prior_precision[n]
                 for n, v in parts.items()
             )
             solved = jax.tree_util.tree_leaves(posterior.covariance_mv(row))
             leaves = jax.tree_util.tree_leaves(row)
-            return sum(jnp.sum(a * b) for a, b in zip(leaves, solved)), prior
+            pairs = zip(leaves, solved)
+            return sum(
+                jnp.sum(a.astype(wide) * b.astype(wide)) for a, b in pairs
+            ), prior
 
         d = out.shape[0]
         eye = jnp.eye(d, dtype=out.dtype)

@@ -230,12 +230,15 @@ def _map_objective(
     negative log joint, −log p(D|θ) − log p(θ), over N/(σ²T)."""
     prior = eqx.tree_at(lambda p: p.model, posterior, model)
     values = block_values(prior.curvature, prior.mean, "marglik_training")
+    # In the hyperparameters' dtype (float32 for a half-precision model), which
+    # strict dtype promotion does not mix with the leaves'.
+    wide = posterior.noise_std.dtype
     penalty = sum(
-        prior.prior_precision[n] * sum(jnp.sum(jnp.square(x)) for x in v)
+        prior.prior_precision[n] * sum(jnp.sum(jnp.square(x.astype(wide))) for x in v)
         for n, v in values.items()
     )
     scale = posterior.noise_std**2 * posterior.temperature / posterior.num_data
-    return loss_fn(model, batch) + 0.5 * scale * penalty
+    return loss_fn(model, batch).astype(wide) + 0.5 * scale * penalty
 
 
 @eqx.filter_jit
