@@ -421,3 +421,32 @@ def test_a_damping_variant_returning_no_block_of_the_parameters_is_named(variant
     name = type(variant).__name__
     with pytest.raises(TypeError, match=rf"`{name}.precompute\(block, damping\)` must"):
         opt.update(params, opt.init(params), params, curvature=curv)
+
+
+class _Float32Full(ef.AbstractStructure):
+    steps_alike = True
+
+    def groups(self, candidates, model):
+        return candidates
+
+    def needs(self, group):
+        return ef.Needs(examples=True)
+
+    def block(self, group, statistics):
+        matrix = statistics.full().matrix.astype(jnp.float32)
+        return ef.blocks.Full(matrix, structure=statistics.shapes)
+
+
+def test_a_structure_block_narrower_than_its_statistics_is_refused():
+    # A float32 block of float64 statistics was accepted (and the curvature reported
+    # float64): its entries were rounded at 1e-8, silently.
+    model = eqx.nn.MLP(4, 3, 5, 1, key=jax.random.key(0), dtype=jnp.float64)
+    batch = (jax.random.normal(jax.random.key(1), (10, 4)), jnp.arange(10) % 3)
+
+    def loss_fn(model, batch):
+        return ef.softmax_cross_entropy(jax.vmap(model)(batch[0]), batch[1])
+
+    with pytest.raises(TypeError, match=r"a block holding float32 arrays, narrower"):
+        ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=_Float32Full()
+        )

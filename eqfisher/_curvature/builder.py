@@ -347,6 +347,22 @@ class Builder(eqx.Module):
                 f"`{g.name}`, a block on parameters shaped {got}; the group's are "
                 f"{want} (in that order: `statistics.shapes`)."
             )
+        floats = lambda tree: [  # noqa: E731
+            x.dtype
+            for x in jax.tree_util.tree_leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.floating)
+        ]
+        bits = [jnp.finfo(d).bits for d in floats(statistics)]
+        narrow = [d for d in floats(block) if bits and jnp.finfo(d).bits < max(bits)]
+        if narrow:
+            # A float32 block of float64 statistics rounded them, silently.
+            raise TypeError(
+                f"`{self.caller}(..., structure={self.structure!r})`: "
+                f"`{type(self.structure).__name__}.block` returned, for group "
+                f"`{g.name}`, a block holding {jnp.dtype(narrow[0]).name} arrays, "
+                f"narrower than its statistics' {max(bits)}-bit floats: build it in "
+                "their dtype."
+            )
         return block
 
     def _rows(
