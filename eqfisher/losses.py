@@ -514,7 +514,17 @@ def register_loss(
     tagged = loss_tag_p.bind(inputs, targets, mask, family=family)
     # Both sums in float32 at least: a float16 count above 65,504 is inf.
     wide = _precision.at_least_float32(inputs.dtype)
-    per_example = family.per_example(tagged, targets)
+    per_example = _per_example(family, tagged, targets, leading, caller)
+    total = jnp.sum(mask * per_example, dtype=wide)
+    value = (total / jnp.sum(mask, dtype=wide)).astype(inputs.dtype)
+    return loss_value_tag_p.bind(value)
+
+
+def _per_example(family, inputs, targets, leading: tuple, caller: str) -> Array:
+    """`family.per_example(inputs, targets)`, refused unless one real loss per
+    example: a scalar (the sum over examples) gave a value and gradient N times
+    the mean's beside the mean's curvature, integers a zero gradient."""
+    per_example = family.per_example(inputs, targets)
     if jnp.shape(per_example) != leading or not jnp.issubdtype(
         jnp.result_type(per_example), jnp.floating
     ):
@@ -524,9 +534,7 @@ def register_loss(
             f"axes of the inputs, the output axis summed), got "
             f"{jnp.result_type(per_example)} of shape {jnp.shape(per_example)}."
         )
-    total = jnp.sum(mask * per_example, dtype=wide)
-    value = (total / jnp.sum(mask, dtype=wide)).astype(inputs.dtype)
-    return loss_value_tag_p.bind(value)
+    return per_example
 
 
 def softmax_cross_entropy(

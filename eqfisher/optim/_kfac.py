@@ -16,6 +16,7 @@ from ..blocks._base import scalars_checked
 from ._damping import AbstractDamping, FactoredTikhonov
 from ._flat import flatten_if_small
 from ._graft import graft as grafted
+from ._momentum import in_gradient_dtypes, momentum as kept_momentum
 from ._state import (
     KFACState,
     ScalarOrSchedule,
@@ -593,6 +594,6 @@ def kfac(
     if not is_constant_zero(weight_decay):
         parts.append(optax.add_decayed_weights(weight_decay))
     if not is_constant_zero(momentum):
-        parts.append(optax.trace(decay=momentum))
+        parts.append(kept_momentum(momentum))
     parts.append(optax.scale_by_learning_rate(learning_rate))
-    return optax.chain(*parts)
+    return in_gradient_dtypes(optax.chain(*parts))
