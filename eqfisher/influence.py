@@ -219,6 +219,18 @@ class ConjugateGradient(AbstractInverse):
 
     def solve(self, vector: PyTree) -> PyTree:
         leaves = jax.tree_util.tree_leaves(vector)
+        dtypes = sorted({jnp.dtype(x.dtype).name for x in leaves})
+        if len(dtypes) > 1 or jnp.finfo(leaves[0].dtype).bits < 32:
+            # Half precision never met the tolerances (products rounded at 1e-3:
+            # "did not converge" whatever they were), and mixed dtypes gave
+            # lineax's "Closure-converted function called with different dynamic
+            # arguments".
+            raise TypeError(
+                "`eqfisher.influence.ConjugateGradient`: CG needs parameters of one "
+                f"dtype of at least 32 bits, got {dtypes}. Build the operator and "
+                "the gradients from the model cast to float32, or use "
+                "`CurvatureInverse` (exact for its structure, in any precision)."
+            )
         dtype = leaves[0].dtype
         inv = (1 / self.damping).astype(dtype)
         operator = linearised(self.operator)  # one forward pass, not one a step

@@ -372,3 +372,23 @@ def test_an_inverse_whose_solve_changes_the_shapes_is_refused(inverse):
         inf.influence_scores(loss_fn, model, train, query, inverse)
     with pytest.raises(ValueError, match=rf"`{name}.solve\(vector\)` must return"):
         inf.self_influence(loss_fn, model, train, inverse)
+
+
+def test_conjugate_gradient_refuses_half_and_mixed_precision():
+    # In bfloat16 CG never met its tolerances ("did not converge" at any rtol);
+    # with mixed dtypes it raised lineax's "Closure-converted function called with
+    # different dynamic arguments".
+    model, train, query = setup()
+    for cast in (
+        lambda m: jax.tree.map(
+            lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, m
+        ),
+        lambda m: eqx.tree_at(
+            lambda m: m.layers[0].weight, m, m.layers[0].weight.astype(jnp.float32)
+        ),
+    ):
+        low = cast(model)
+        with jax.numpy_dtype_promotion("standard"):
+            cg = inf.ConjugateGradient(ef.ggn_operator(loss_fn, low, train), DAMPING)
+            with pytest.raises(TypeError, match=r"CG needs parameters of one dtype"):
+                inf.self_influence(loss_fn, low, train, cg)
