@@ -450,3 +450,42 @@ def test_a_structure_block_narrower_than_its_statistics_is_refused():
         ef.curvature(
             loss_fn, model, batch, estimator=ef.GGN(), structure=_Float32Full()
         )
+
+
+class _DropsACoordinate(ef.AbstractEstimator):
+    needs_key = False
+    splits_positions = False
+
+    def output_vectors(self, loss, key):
+        g = loss.family.output_gradient(loss.inputs, loss.targets)
+        return (g * jnp.sqrt(loss.weights())[..., None])[None]
+
+    def example_vectors(self, vectors):
+        return vectors[..., :-1]
+
+    def batch_vectors(self, vectors, axis):
+        return vectors[..., :-1]
+
+
+@pytest.mark.parametrize(
+    "examples", [ef.IndependentExamples(), ef.InteractingExamples()]
+)
+def test_an_estimator_returning_vectors_of_another_shape_is_named(examples):
+    # JAX's "unexpected JAX type ... for argument to VJP function" named neither
+    # the estimator nor the method.
+    model = eqx.nn.MLP(4, 3, 5, 1, key=jax.random.key(0), dtype=jnp.float64)
+    batch = (jax.random.normal(jax.random.key(1), (10, 4)), jnp.arange(10) % 3)
+
+    def loss_fn(model, batch):
+        return ef.softmax_cross_entropy(jax.vmap(model)(batch[0]), batch[1])
+
+    method = "example" if examples == ef.IndependentExamples() else "batch"
+    with pytest.raises(ValueError, match=rf"`_DropsACoordinate.{method}_vectors` must"):
+        ef.curvature(
+            loss_fn,
+            model,
+            batch,
+            estimator=_DropsACoordinate(),
+            structure=ef.Dense(),
+            examples=examples,
+        )

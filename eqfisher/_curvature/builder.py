@@ -62,8 +62,9 @@ def check_args(caller: str, estimator, structure, key, examples) -> None:
         )
     if estimator.needs_key and key is None:
         raise ValueError(
-            f"`{caller}(..., estimator={estimator!r})` needs `key=`: Monte-Carlo "
-            "Fisher samples targets."
+            f"`{caller}(..., estimator={estimator!r})` needs `key=`: "
+            f"`{type(estimator).__name__}.needs_key` is True (Monte-Carlo Fisher "
+            "samples targets)."
         )
     if key is not None:
         check_key(caller, key)

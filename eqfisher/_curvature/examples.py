@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Bool, PyTree
 
 from .._tracer import (
@@ -291,7 +292,12 @@ class InteractingExamples(AbstractExamples):
                     "the output's)."
                 )
         full_vectors = stacked_vectors(
-            [estimator.batch_vectors(v, self.axis) for v in main.per_loss]
+            [
+                _checked(
+                    estimator, "batch_vectors", estimator.batch_vectors(v, self.axis), v
+                )
+                for v in main.per_loss
+            ]
         )
         p_ct, _ = jax.vmap(main.vjp)(full_vectors)
         return _unit_rows(main.processed, parts, p_ct), None
@@ -316,10 +322,29 @@ def _pass_per_example(staged, estimator, axis, main: MainPass, parts, rest):
         one,
         main.per_loss,
         full_inputs,
-        lambda v: stacked_vectors([estimator.example_vectors(x) for x in v]),
+        lambda v: stacked_vectors(
+            [
+                _checked(estimator, "example_vectors", estimator.example_vectors(x), x)
+                for x in v
+            ]
+        ),
         probe(processed, s, leaves, derivatives),
     )
     return _unit_rows(processed, rest, dict(zip(leaves, vecs))), mismatch
+
+
+def _checked(estimator, method: str, out: Array, vectors: Array) -> Array:
+    """An estimator's `example_vectors`/`batch_vectors`, refused unless shaped
+    `(k', *vectors.shape[1:])` in `vectors`' dtype: another shape or dtype gave
+    JAX's VJP or vmap errors, naming neither."""
+    shape, dtype = jnp.shape(out), getattr(out, "dtype", None)
+    if shape[1:] != vectors.shape[1:] or dtype != vectors.dtype:
+        raise ValueError(
+            f"`{type(estimator).__name__}.{method}` must return vectors shaped "
+            f"(k, {', '.join(map(str, vectors.shape[1:]))}) in {vectors.dtype} (the "
+            f"vectors it is given are {vectors.shape}), got {shape} in {dtype}."
+        )
+    return out
 
 
 def _unit_rows(processed: LossProgram, parts, by_leaf) -> dict[int, Array]:
