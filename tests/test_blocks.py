@@ -415,3 +415,38 @@ def test_full_solve_and_logdet_outside_jit_compile_once():
     flat = Full(jnp.asarray(-np.eye(6)), structure)
     np.testing.assert_allclose(flat.logdet(0.5), 6 * np.log(0.5))
     np.testing.assert_allclose(flat.solve(v, 0.5)[0], 2 * np.ones(6))
+
+
+def test_full_solves_of_a_stack_fall_back_to_eigh_only_where_cholesky_failed():
+    # `jax.vmap` of `Full.solve` (a stacked layer's blocks) selected between the
+    # Cholesky and the eigendecomposition branches, computing every
+    # eigendecomposition; it now computes them only when a factor failed, and
+    # then takes them where it did. A block with a negative eigenvalue (float32
+    # rounding, exaggerated) fails Cholesky at this damping.
+    structure = structure_of("linear")
+    rng = np.random.default_rng(0)
+    q, _ = np.linalg.qr(rng.normal(size=(15, 15)))
+    matrices = [
+        (q * np.linspace(0.1, 3.0, 15)) @ q.T,  # positive definite
+        (q * np.linspace(-1.0, 3.0, 15)) @ q.T,  # Cholesky fails at damping 0.5
+    ]
+    vectors = [
+        tuple(jnp.asarray(rng.normal(size=s.shape)) for s in structure)
+        for _ in range(2)
+    ]
+    for order in ([0, 1], [1, 0], [0, 0]):
+        blocks = [Full(jnp.asarray(matrices[i]), structure) for i in order]
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *blocks)
+        vs = jax.tree.map(lambda *xs: jnp.stack(xs), *[vectors[i] for i in order])
+        batched = jax.jit(jax.vmap(lambda b, v: b.solve(v, 0.5)))(stacked, vs)
+        for k, i in enumerate(order):
+            values, basis = np.linalg.eigh(matrices[i])
+            clamped = (basis * np.maximum(values, 0)) @ basis.T
+            flat = np.concatenate([np.ravel(x) for x in vectors[i]])
+            want = np.linalg.solve(clamped + 0.5 * np.eye(15), flat)
+            got = np.concatenate([np.ravel(x[k]) for x in batched])
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+            one = blocks[k].solve(vectors[i], 0.5)
+            np.testing.assert_allclose(
+                np.concatenate([np.ravel(x) for x in one]), want, rtol=1e-12, atol=1e-14
+            )

@@ -151,11 +151,7 @@ class Full(AbstractBlock):
         if self.eig is not None:
             return self._out(_eigen_solve(*self._clamped_eigh(), damping, flat))
         factor = self._cholesky(damping)
-        ok = jnp.all(jnp.isfinite(factor))
-        operands = (factor, self.matrix, damping, flat)
-        return self._out(
-            jax.lax.cond(ok, _solve_by_cholesky, _solve_by_eigh, *operands)
-        )
+        return self._out(_solve(factor, self.matrix, damping, flat))
 
     def diagonal(self) -> Operand:
         return self._out(jnp.diagonal(self.matrix))
@@ -202,6 +198,58 @@ def _solve_by_cholesky(factor, matrix, damping, flat):
 def _solve_by_eigh(factor, matrix, damping, flat):
     del factor
     return _eigen_solve(*_clamped_eigh(matrix), damping, flat)
+
+
+def _plain_solve(factor, matrix, damping, flat):
+    ok = jnp.all(jnp.isfinite(factor))
+    operands = (factor, matrix, damping, flat)
+    return jax.lax.cond(ok, _solve_by_cholesky, _solve_by_eigh, *operands)
+
+
+@jax.custom_jvp
+def _solve(factor, matrix, damping, flat):
+    """`_plain_solve`, whose `jax.vmap` (a stacked layer's blocks) solves by
+    Cholesky and computes the eigendecompositions only when a factor failed:
+    `vmap` of its `lax.cond` selected between both branches, computing every
+    eigendecomposition (5.5x the time of a solve of the same blocks unstacked,
+    8 steps of a 2,307-parameter model)."""
+    return _batched_solve(factor, matrix, damping, flat)
+
+
+@_solve.defjvp
+def _solve_jvp(primals, tangents):
+    # Differentiated as the plain function (`custom_vmap` has no derivative).
+    return jax.jvp(_plain_solve, primals, tangents)
+
+
+@jax.custom_batching.custom_vmap
+def _batched_solve(factor, matrix, damping, flat):
+    return _plain_solve(factor, matrix, damping, flat)
+
+
+@_batched_solve.def_vmap
+def _batched_solves(axis_size, in_batched, factor, matrix, damping, flat):
+    operands = tuple(
+        x if batched else jnp.broadcast_to(x, (axis_size, *jnp.shape(x)))
+        for x, batched in zip((factor, matrix, damping, flat), in_batched)
+    )
+    by_cholesky = jax.vmap(_solve_by_cholesky)(*operands)
+    ok = jnp.all(jnp.isfinite(operands[0]), axis=(-2, -1))
+    out = jax.lax.cond(
+        jnp.all(ok), _first, _by_eigh_where_failed, by_cholesky, ok, *operands
+    )
+    return out, True
+
+
+def _first(by_cholesky, ok, *operands):
+    del ok, operands
+    return by_cholesky
+
+
+def _by_eigh_where_failed(by_cholesky, ok, *operands):
+    by_eigh = jax.vmap(_solve_by_eigh)(*operands)
+    ok = ok.reshape(ok.shape + (1,) * (by_eigh.ndim - 1))
+    return jnp.where(ok, by_cholesky, by_eigh)
 
 
 def _clamped_eigh(matrix: Array) -> tuple[Array, Array]:
