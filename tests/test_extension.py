@@ -357,29 +357,12 @@ def test_needs_refuses_what_kfac_refuses(unchecked, kwargs):
             make(**kwargs)
 
 
-class _UnitGaussian(ef.losses.AbstractLossFamily):
-    name = "unit gaussian"
-
-    def per_example(self, inputs, targets):
-        return 0.5 * jnp.sum((inputs - targets) ** 2, axis=-1)
-
-    def sample(self, key, inputs):
-        return inputs + jax.random.normal(key, inputs.shape, inputs.dtype)
-
-    def sqrt_hessian(self, inputs):
-        eye = jnp.eye(inputs.shape[-1], dtype=inputs.dtype)
-        return jnp.broadcast_to(eye, inputs.shape + inputs.shape[-1:])
-
-    def check_targets(self, inputs, targets, caller):
-        pass
-
-
-class _Summed(_UnitGaussian):
+class _Summed(ef.losses.Gaussian):
     def per_example(self, inputs, targets):  # the sum over examples too
         return 0.5 * jnp.sum((inputs - targets) ** 2)
 
 
-class _Integer(_UnitGaussian):
+class _Integer(ef.losses.Gaussian):
     def per_example(self, inputs, targets):
         return jnp.sum(jnp.round(inputs), -1).astype(jnp.int32)
 
@@ -391,7 +374,7 @@ def test_a_family_per_example_of_another_shape_or_dtype_is_refused(family):
     x = jnp.ones((12, 3))
     with pytest.raises(ValueError, match=r"must return one real loss per example"):
         ef.register_loss(family, x, 2 * x)
-    assert ef.register_loss(_UnitGaussian(), x, 2 * x) == 1.5
+    assert ef.register_loss(ef.losses.Gaussian(), x, 2 * x) == 1.5
 
 
 class _ReturnsMatrix(ef.optim.AbstractDamping):
