@@ -270,27 +270,25 @@ def test_injected_hyperparameters_keep_a_mixed_precision_models_dtypes():
     # update, and so the parameter) float32, and the second step was refused.
     # (Standard promotion: the mixed model's own products, and optax's, mix
     # bfloat16 and float32.)
-    with jax.numpy_dtype_promotion("standard"):
-        _train_mixed_with_injected_hyperparameters()
-
-
-def _train_mixed_with_injected_hyperparameters():
     model, batch = _setup(jnp.float32)
     model = eqx.tree_at(
         lambda m: m.layers[0].weight, model, model.layers[0].weight.astype(jnp.bfloat16)
     )
-    vgc = ef.value_grad_and_curvature(loss_fn, estimator=ef.GGN(), structure=ef.KFAC())
-    like = ef.optim.curvature_like(vgc, model, batch)
-    opt = optax.inject_hyperparams(ef.optim.kfac)(
-        learning_rate=1e-2, like=like, momentum=0.9, weight_decay=1e-4
-    )
-    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
-    dtypes = [x.dtype for x in jax.tree_util.tree_leaves(state)]
-    leaves = jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_inexact_array))
-    params = [x.dtype for x in leaves]
-    step = ef.optim.kfac_step(loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC())
-    for _ in range(3):
-        model, state, loss = step(model, state, batch)
+    with jax.numpy_dtype_promotion("standard"):
+        vgc = ef.value_grad_and_curvature(
+            loss_fn, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        like = ef.optim.curvature_like(vgc, model, batch)
+        opt = optax.inject_hyperparams(ef.optim.kfac)(
+            learning_rate=1e-2, like=like, momentum=0.9, weight_decay=1e-4
+        )
+        state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+        dtypes = [x.dtype for x in jax.tree_util.tree_leaves(state)]
+        leaves = jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_inexact_array))
+        params = [x.dtype for x in leaves]
+        step = ef.optim.kfac_step(loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC())
+        for _ in range(3):
+            model, state, loss = step(model, state, batch)
     assert [x.dtype for x in jax.tree_util.tree_leaves(state)] == dtypes
     trained = eqx.filter(model, eqx.is_inexact_array)
     assert [x.dtype for x in jax.tree_util.tree_leaves(trained)] == params

@@ -180,11 +180,7 @@ def _predictive_samples(posterior, x, key, num_samples, linearised, apply):
     def one(sample):
         if not linearised:
             return outputs(sample)
-        # In the parameters' dtypes: a `Diagonal()` posterior of a bfloat16 model
-        # samples in float32, and `jax.jvp` wants tangents of the primals' dtype.
-        delta = jax.tree_util.tree_map(
-            lambda s, m: (s - m.astype(s.dtype)).astype(m.dtype), sample, theta
-        )
+        delta = jax.tree_util.tree_map(lambda s, m: s - m, sample, theta)
         f, jv = jax.jvp(outputs, (theta,), (delta,))
         return f + jv
 
