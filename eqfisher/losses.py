@@ -88,7 +88,10 @@ class AbstractLossFamily(eqx.Module):
     def sample(
         self, key: PRNGKeyArray, inputs: Float[Array, "*leading out"]
     ) -> Shaped[Array, "..."]:
-        """Targets drawn from the model's predictive distribution."""
+        """Targets drawn from the model's predictive distribution.
+
+        They must be targets `check_targets` accepts: `eqfisher.FisherMC` checks.
+        """
 
     @abc.abstractmethod
     def sqrt_hessian(

@@ -377,6 +377,29 @@ def test_a_family_per_example_of_another_shape_or_dtype_is_refused(family):
     assert ef.register_loss(ef.losses.Gaussian(), x, 2 * x) == 1.5
 
 
+class _NarrowSample(ef.losses.Gaussian):
+    def sample(self, key, inputs):  # one column, which broadcasts against two
+        return jax.random.normal(key, inputs.shape[:-1] + (1,), inputs.dtype)
+
+
+@pytest.mark.parametrize("samples", [1, 3])
+def test_a_family_sample_of_another_shape_is_refused(samples):
+    # Targets of shape (N, 1) for (N, 2) inputs broadcast in `per_example`: the
+    # Monte-Carlo Fisher came out of other gradients, with no error.
+    model = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0), dtype=jnp.float64)
+    x, t = jnp.ones((5, 3)), jnp.zeros((5, 2))
+    key = jax.random.key(1)
+
+    def loss_fn(family):
+        return lambda m, b: ef.register_loss(family, jax.vmap(m)(b[0]), b[1])
+
+    kwargs = dict(estimator=ef.FisherMC(samples=samples), structure=ef.Dense(), key=key)
+    with pytest.raises(ValueError, match=r"`_NarrowSample.sample` drew targets"):
+        ef.curvature(loss_fn(_NarrowSample()), model, (x, t), **kwargs)
+    fisher = ef.curvature(loss_fn(ef.losses.Gaussian()), model, (x, t), **kwargs)
+    assert jnp.all(jnp.isfinite(fisher.as_matrix()))
+
+
 class _ReturnsMatrix(ef.optim.AbstractDamping):
     def precompute(self, block, damping):
         b = block.as_matrix()

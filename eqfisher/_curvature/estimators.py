@@ -239,7 +239,7 @@ class FisherMC(AbstractEstimator):
         inputs = jax.lax.stop_gradient(loss.inputs)
 
         def one(k):
-            targets = loss.family.sample(k, inputs)
+            targets = _sampled(loss.family, k, inputs)
             return loss.family.output_gradient(inputs, targets)
 
         if self.samples == 1:
@@ -255,6 +255,23 @@ class FisherMC(AbstractEstimator):
 
     def batch_vectors(self, vectors, axis):
         return split_along(vectors, (axis,))
+
+
+def _sampled(family, key, inputs):
+    """`family.sample`, checked as `family` checks a batch's targets: targets that
+    broadcast against `inputs` would otherwise give other gradients silently."""
+    targets = family.sample(key, inputs)
+    name = f"{type(family).__name__}.sample"
+    try:
+        family.check_targets(inputs, targets, name)
+    except (TypeError, ValueError) as error:
+        raise type(error)(
+            f"`eqfisher.FisherMC`: `{name}` drew targets of shape {targets.shape} "
+            f"and dtype {targets.dtype} for inputs of shape {inputs.shape}, which "
+            f"the family's own `check_targets` refuses: {error} `sample` must "
+            "return targets of the kind `check_targets` accepts."
+        ) from None
+    return targets
 
 
 class EmpiricalFisher(AbstractEstimator):
