@@ -400,6 +400,38 @@ def test_a_family_sample_of_another_shape_is_refused(samples):
     assert jnp.all(jnp.isfinite(fisher.as_matrix()))
 
 
+class _SamplesWithoutKey(ef.AbstractEstimator):
+    needs_key = False  # wrong: `output_vectors` samples
+    splits_positions = False
+
+    def output_vectors(self, loss, key):
+        targets = loss.family.sample(key, loss.inputs)
+        g = loss.family.output_gradient(loss.inputs, targets)
+        return (g * jnp.sqrt(loss.weights())[..., None])[None]
+
+    def example_vectors(self, vectors):
+        return vectors
+
+    def batch_vectors(self, vectors, axis):
+        return ef.EmpiricalFisher().batch_vectors(vectors, axis)
+
+
+def test_an_estimator_that_samples_without_needs_key_is_told_to_declare_it():
+    # JAX's "unexpected PRNG key type <class 'NoneType'>" named neither the
+    # estimator nor `needs_key`.
+    model = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0), dtype=jnp.float64)
+    batch = (jnp.ones((5, 3)), jnp.zeros((5, 2)))
+
+    def loss_fn(m, b):
+        return ef.squared_error(jax.vmap(m)(b[0]), b[1])
+
+    kwargs = dict(estimator=_SamplesWithoutKey(), structure=ef.Dense())
+    with pytest.raises(TypeError, match=r"`_SamplesWithoutKey.needs_key` is False"):
+        ef.curvature(loss_fn, model, batch, **kwargs)
+    curv = ef.curvature(loss_fn, model, batch, key=jax.random.key(1), **kwargs)
+    assert curv.as_matrix().shape == (26, 26)
+
+
 class _ReturnsMatrix(ef.optim.AbstractDamping):
     def precompute(self, block, damping):
         b = block.as_matrix()

@@ -340,11 +340,26 @@ def loss_vectors(
     else:
         keys = list(jax.random.split(key, len(losses)))
     return [
-        jax.lax.stop_gradient(
-            _checked(estimator, loss, estimator.output_vectors(loss, k))
-        )
+        jax.lax.stop_gradient(_checked(estimator, loss, _vectors(estimator, loss, k)))
         for loss, k in zip(losses, keys)
     ]
+
+
+def _vectors(estimator: AbstractEstimator, loss: RegisteredLoss, key) -> Array:
+    """`estimator.output_vectors(loss, key)`; a use of the absent key by an
+    estimator that does not declare `needs_key` failed in JAX's words."""
+    try:
+        return estimator.output_vectors(loss, key)
+    except (TypeError, ValueError) as error:
+        if key is not None or estimator.needs_key or "key" not in str(error).lower():
+            raise
+        name = type(estimator).__name__
+        raise type(error)(
+            f"`{name}.output_vectors(loss, key)` failed with `key=None` ({error}). "
+            f"The call gave no `key=` because `{name}.needs_key` is False: an "
+            "estimator that samples sets `needs_key = True`, and eqfisher then "
+            "asks its callers for `key=`."
+        ) from error
 
 
 def _checked(estimator: AbstractEstimator, loss: RegisteredLoss, v) -> Array:
