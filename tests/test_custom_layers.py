@@ -239,3 +239,59 @@ def test_an_unused_declaration_is_named():
     report = ef.find_layers(loss_fn, lin, (x, y))
     assert report.unmatched == (".weight", ".bias")
     assert all("use the value it returns" in r for r in report.reasons)
+
+
+class _Declared(eqx.Module):
+    """A dense layer declared by hand; subclasses make the two mistakes below."""
+
+    weight: jax.Array
+    bias: jax.Array
+
+    def __call__(self, x):
+        y = x @ self.weight + self.bias[None]
+        return ef.register_dense(y, x, self.weight, self.bias)
+
+
+class _ComputedWeight(_Declared):
+    def __call__(self, x):
+        w = 2.0 * self.weight  # declared with a weight computed from the parameter
+        return ef.register_dense(x @ w + self.bias[None], x, w, self.bias)
+
+
+class _DeclaredTwice(_Declared):
+    def __call__(self, x):
+        y = super().__call__(x)
+        return ef.register_dense(y, x, self.weight, self.bias)
+
+
+def _declared_case(cls):
+    key_w, key_x = jr.split(jr.key(3))
+    model = cls(jr.normal(key_w, (IN, OUT), F64), jnp.ones(OUT, F64))
+    x, y = jr.normal(key_x, (1, IN), F64), jnp.zeros((1, OUT), F64)
+    return model, (x, y), lambda m, b: ef.squared_error(m(b[0]), b[1])
+
+
+def test_a_declaration_with_a_computed_weight_is_named():
+    # The reasons were "no layer pattern" for the weight and "also used outside its
+    # scale_and_shift layer (by `eqfisher_layer_tag`)" for the bias.
+    model, batch, loss_fn = _declared_case(_ComputedWeight)
+    report = ef.find_layers(loss_fn, model, batch)
+    assert report.unmatched == (".weight", ".bias")
+    for reason in report.reasons:
+        assert "`eqfisher.register_dense`, not honoured" in reason
+        assert "pass the parameter itself as `w`" in reason
+
+
+def test_a_layer_declared_twice_is_one_use():
+    # The repeated tag counted as a second application of a tied layer: its K-FAC
+    # block, exact for one example of one dense layer, was 100% off.
+    model, batch, loss_fn = _declared_case(_DeclaredTwice)
+    (layer,) = ef.find_layers(loss_fn, model, batch).layers
+    assert layer.uses == 1
+    ref = dense_ggn(
+        lambda m: _Declared(m.weight, m.bias)(batch[0]),
+        lambda out: ef.squared_error(out, batch[1]),
+        model,
+    )
+    kfac = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+    np.testing.assert_allclose(kfac.as_matrix(), ref, rtol=1e-10, atol=1e-12)

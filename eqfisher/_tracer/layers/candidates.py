@@ -9,7 +9,7 @@ import dataclasses
 import math
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, cast
+from typing import Any, Literal, NamedTuple, cast
 
 from ... import _compat
 from ..analyses import axes
@@ -233,18 +233,72 @@ def _gathers_rows(node: Node, t_shape, i_shape) -> bool:
     )
 
 
+class _Declaration(NamedTuple):
+    weight: View
+    perm: tuple[int, ...]
+    bias: View | None
+
+
+def _declaration(node: Node, graph: Graph) -> _Declaration | str:
+    """The parameters of a `register_dense` declaration, or why it declares none."""
+    view = _param_and_activation(graph, node.operand(2), node.operand(1))
+    if view is None:
+        return (
+            "its weight `w` is no parameter leaf, transpose of one or step of a "
+            "stacked one (one computed from a parameter, as `2 * w` or `w + 0`, "
+            "is not), or its input `x` is one: pass the parameter itself as `w`"
+        )
+    perm = _full_perm(view, (1, 0), len(graph.shapes[view.index]))
+    if perm is None:
+        return "its weight `w` is no whole (d_in, d_out) matrix of a parameter"
+    bias = _declared_bias(node, graph, view)
+    if bias is False:
+        return "its bias `b` is no 1-D parameter leaf of its own, as it must be"
+    return _Declaration(view, perm, bias)
+
+
+def declaration_fault(node: Node, graph: Graph) -> str | None:
+    """Why a `register_dense` tag declares no layer; None for other equations and
+    for a declaration that does (or one cut per group: see `program.flatten`)."""
+    if node.eqn.primitive is not layer_tag_p or node.params["groups"]:
+        return None
+    found = _declaration(node, graph)
+    return found if isinstance(found, str) else None
+
+
+def _repeated(node: Node, graph: Graph) -> list[Node]:
+    """The declarations of the same layer that tag `node`'s output again: the same
+    `x`, `w` and `b`, the `y` being `node`'s result. They declare no second use."""
+    out = node.outs[0] if node.outs else None
+    repeats = [
+        user
+        for user in graph.consumers.get(id(out), [])
+        if user.eqn.primitive is layer_tag_p
+        and user.params == node.params
+        and user.operand(0) is out
+        and all(a is b for a, b in zip(user.operands[1:], node.operands[1:]))
+    ]
+    return repeats + [r for user in repeats for r in _repeated(user, graph)]
+
+
+def _repeats(node: Node, graph: Graph) -> bool:
+    """Whether `node` declares again the layer another declaration's output is."""
+    return any(
+        node in _repeated(other, graph)
+        for other in graph.consumers.get(id(node.operand(1)), [])
+        if other is not node and other.eqn.primitive is layer_tag_p
+    )
+
+
 def _declared(node: Node, graph: Graph) -> Candidate | None:
     """A dense layer tagged with `eqfisher.register_dense`: `y = x @ w (+ b)`."""
-    if node.params["groups"]:
-        return None  # not cut into one layer per group: no parameter slices
-    y, x, w = node.operand(0), node.operand(1), node.operand(2)
-    view = _param_and_activation(graph, w, x)
-    if view is None:
+    if node.params["groups"] or _repeats(node, graph):
+        return None  # per group: no parameter slices; repeated: one layer
+    found = _declaration(node, graph)
+    if isinstance(found, str):
         return None
-    perm = _full_perm(view, (1, 0), len(graph.shapes[view.index]))
-    bias = _declared_bias(node, graph, view)
-    if perm is None or bias is False:
-        return None
+    view, perm, bias = found
+    y, x = node.operand(0), node.operand(1)
     y_rank, x_rank = len(_shape(y)), len(_shape(x))
     declared = Candidate(
         kind=DenseKind(),
@@ -258,7 +312,10 @@ def _declared(node: Node, graph: Graph) -> Candidate | None:
         outputs=node.outs[0],
         out_labels=output_labels(y_rank, (y_rank - 1,)),
     )
-    return dataclasses.replace(declared, computes=_computing(graph, declared, y))
+    repeats = frozenset(id(r) for r in _repeated(node, graph))
+    return dataclasses.replace(
+        declared, computes=_computing(graph, declared, y) | repeats
+    )
 
 
 def _declared_bias(

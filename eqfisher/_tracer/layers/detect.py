@@ -24,7 +24,7 @@ from ..._config import current_config
 from ..analyses import axes
 from ..declare import layer_tag_p
 from ..program import SYMBOLIC, Node, Program, PVar, ScanNode, scan_nodes, symbolic
-from .candidates import Candidate, candidates
+from .candidates import Candidate, candidates, declaration_fault
 from .graph import Graph, sources, unit_paths
 from .kinds import AbstractLayerKind, LayerKindName
 from .verdict import Verdict, judge
@@ -245,6 +245,9 @@ def _unmatched(
 
 
 def _reason(index: int, verdict: Verdict, graph: Graph) -> str:
+    fault = _declaration_fault(graph, index)
+    if fault is not None:
+        return fault
     if index in verdict.reasons:
         return verdict.reasons[index]
     if id(graph.srcvars[index]) not in graph.reach:
@@ -263,6 +266,24 @@ def _reason(index: int, verdict: Verdict, graph: Graph) -> str:
         )
     view = _view(graph, index)
     return "no layer pattern" if view is None else view
+
+
+def _declaration_fault(graph: Graph, index: int) -> str | None:
+    """Why a `register_dense` declaration that a parameter feeds (as its weight or
+    bias, or through what computes them) declares no layer; None when it feeds none
+    such."""
+    faults = [(n, declaration_fault(n, graph)) for n in graph.program.nodes]
+    faults = [(node, fault) for node, fault in faults if fault is not None]
+    if not faults:
+        return None
+    down = {id(graph.srcvars[index])}
+    for node in graph.program.nodes:
+        if any(id(a) in down for a in node.args):
+            down.update(id(o) for o in node.outs if o is not None)
+    for node, fault in faults:
+        if any(id(a) in down for a in node.operands[2:]):
+            return f"declared with `eqfisher.register_dense`, not honoured: {fault}"
+    return None
 
 
 def _view(graph: Graph, index: int) -> str | None:
