@@ -8,7 +8,7 @@ loss family sits on top of it, the targets, and the per-example weights.
 """
 
 import abc
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -461,8 +461,9 @@ def register_loss(
         assert jnp.allclose(dense(masked_loss, padded), dense(loss_fn, half), atol=1e-6)
         ```
     """
-    inputs = jnp.asarray(inputs)
-    targets = jnp.asarray(targets)
+    inputs = _one_array(inputs, "the outputs (its first argument)", caller)
+    targets = _one_array(targets, "the targets (its second argument)", caller)
+    mask = None if mask is None else _one_array(mask, "`mask`", caller)
     if not jnp.issubdtype(inputs.dtype, jnp.floating):
         raise TypeError(
             f"`{caller}`: the loss must be registered on a floating-point array "
@@ -521,6 +522,28 @@ def register_loss(
     total = jnp.sum(mask * per_example, dtype=wide)
     value = (total / jnp.sum(mask, dtype=wide)).astype(inputs.dtype)
     return loss_value_tag_p.bind(value)
+
+
+def _one_array(value: Any, name: str, caller: str) -> Array:
+    """`value` as one array. A tuple, list or dict holding arrays (the outputs of a
+    model that returns several) is refused: `jnp.asarray` stacked one of equal
+    shapes into another batch axis, and failed on others in JAX's words."""
+    several = isinstance(value, dict) or (
+        isinstance(value, tuple | list)
+        and any(hasattr(v, "shape") for v in jax.tree_util.tree_leaves(value))
+    )
+    if several:
+        hint = (
+            "A model that returns several outputs returns them together: pass the "
+            "one the loss is on, e.g. `out[0]` or `out['logits']`."
+            if name.startswith("the outputs")
+            else "Pass the array itself, e.g. `batch['labels']`."
+        )
+        raise TypeError(
+            f"`{caller}`: {name} must be one array, got a {type(value).__name__} "
+            f"(of length {len(value)}). {hint}"
+        )
+    return jnp.asarray(value)
 
 
 def _per_example(family, inputs, targets, leading: tuple, caller: str) -> Array:

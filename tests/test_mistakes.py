@@ -1008,3 +1008,54 @@ def test_a_damping_that_is_not_a_real_number_is_refused(damping, unchecked):
     for call in (lambda: curv.solve(grads, damping), lambda: curv.logdet(damping)):
         with pytest.raises(TypeError, match="`damping` must be a real scalar"):
             call()
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list", "dict", "equal shapes"])
+def test_a_model_output_of_several_arrays_is_refused(kind, unchecked):
+    # A tuple or dict of outputs (`return logits, features`) raised "Cannot
+    # concatenate arrays" or "entry not a 2- or 3- tuple"; two of equal shapes
+    # were stacked into a (2, N, C) batch and the labels blamed.
+    model, (x, y) = _problem()
+    logits = jax.vmap(model)(x)
+    outputs = {
+        "tuple": (logits, x),
+        "list": [logits, x],
+        "dict": {"logits": logits, "features": x},
+        "equal shapes": (logits, logits),
+    }[kind]
+    for loss, targets in (
+        (ef.softmax_cross_entropy, y),
+        (ef.squared_error, jnp.zeros_like(logits)),
+    ):
+        with pytest.raises(TypeError, match=r"outputs \(its first argument\) must"):
+            loss(outputs, targets)
+    with pytest.raises(TypeError, match=r"targets \(its second argument\) must"):
+        ef.softmax_cross_entropy(logits, {"labels": y})
+    assert ef.softmax_cross_entropy(logits, list(map(int, y))) == loss_fn(model, (x, y))
+
+
+def test_a_mask_given_as_a_list_is_taken(unchecked):
+    # It raised "Cannot determine dtype of [1.0, ...]" (labels as a list were taken).
+    model, (x, y) = _problem()
+    logits = jax.vmap(model)(x)
+    mask = [1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    expected = ef.softmax_cross_entropy(logits, y, mask=jnp.asarray(mask))
+    assert ef.softmax_cross_entropy(logits, y, mask=mask) == expected
+
+
+def test_swapped_arguments_are_named():
+    # `find_layers(model, loss_fn, batch)` raised "MLP.__call__() takes 2
+    # positional arguments but 3 were given"; `curvature(model, loss_fn, ...)` said
+    # only that `model` has no parameters; `step(opt_state, model, ...)` named
+    # `find_kfac_state`, which the user never called.
+    model, batch = _problem()
+    with pytest.raises(TypeError) as info:
+        ef.find_layers(model, loss_fn, batch)
+    assert any("are they swapped?" in note for note in info.value.__notes__)
+    with pytest.raises(ValueError, match=r"is it `loss_fn`\? The arguments are"):
+        ef.curvature(model, loss_fn, batch, estimator=ef.GGN(), structure=ef.KFAC())
+    opt = ef.optim.kfac(1e-2, like=ef.optim.curvature_like(_vgc(), model, batch))
+    step = ef.optim.kfac_step(loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC())
+    state = opt.init(_params(model))
+    with pytest.raises(ValueError, match=r"`model` and `opt_state` swapped\?"):
+        step(state, model, batch)

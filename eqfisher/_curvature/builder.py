@@ -99,6 +99,12 @@ def _select(model: PyTree, where, caller: str) -> list[int]:
             + (f", and `where` = {where!r} selects none of them" if paths else "")
             + ". Pass a model with floating-point parameters, or a `where` selecting "
             "some."
+            + (
+                f" (`model` is a {type(model).__name__}: is it `loss_fn`? The "
+                "arguments are `(loss_fn, model, batch)`, `loss_fn` first.)"
+                if callable(model) and not isinstance(model, eqx.Module)
+                else ""
+            )
         )
     return [i for i, f in enumerate(selected) if f]
 

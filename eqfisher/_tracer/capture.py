@@ -314,6 +314,13 @@ _FILTERED_MODEL = (
 )
 
 
+_SWAPPED = (
+    "(`{caller}`: `loss_fn` is a {kind} holding floating-point arrays, and `model` "
+    "holds none: are they swapped? The arguments are `(loss_fn, model, batch)`, "
+    "`loss_fn` first.)"
+)
+
+
 def stage_loss(
     loss_fn: Callable,
     s: Split,
@@ -345,6 +352,8 @@ def stage_loss(
         except TypeError as e:
             if "'NoneType' object is not callable" in str(e):
                 e.add_note(_FILTERED_MODEL.format(caller=caller))
+            if not n_p and any(map(eqx.is_inexact_array, jax.tree.leaves(loss_fn))):
+                e.add_note(_SWAPPED.format(caller=caller, kind=type(loss_fn).__name__))
             raise
         _check_returns(out, returns, caller, takes_has_aux)
         if returns == "aux":  # the aux's other leaves are static, as for Equinox

@@ -118,7 +118,15 @@ def _due(period: int, opt_state: PyTree) -> int | None:
     """`curvature_due=` for statistics at every `period`-th step, by the K-FAC
     state's count (None when they always are); raises when `opt_state` holds no
     K-FAC state."""
-    find_kfac_state(opt_state)
+    try:
+        find_kfac_state(opt_state)
+    except ValueError as error:
+        raise ValueError(
+            "`eqfisher.optim.kfac_step`'s `step(model, opt_state, batch, key)`: "
+            "`opt_state` must be the state of the optimiser given to `kfac_step` "
+            f"(`opt.init(params)`), got a {type(opt_state).__name__} ({error}) "
+            "Are `model` and `opt_state` swapped?"
+        ) from None
     return None if period == 1 else period
 
 
