@@ -212,6 +212,35 @@ def test_donated_steps_train_as_undonated_and_free_the_old_arrays():
     assert jnp.array_equal(runs[True][0].order, jnp.arange(3)[::-1])
 
 
+def test_a_donated_step_takes_arrays_that_share_a_buffer():
+    # `jax.device_put` of a tree holding one array in several leaves (a fresh
+    # K-FAC state's five counters were one array) gives several arrays on one
+    # buffer: the donated step raised "Attempt to donate the same buffer twice",
+    # and crashed the process on two devices.
+    mlp, batch = problem()
+    model = _copied(mlp)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    vgc = ef.value_grad_and_curvature(loss_fn, estimator=ef.GGN(), structure=ef.KFAC())
+    opt = optim.kfac(0.1, like=optim.curvature_like(vgc, model, batch))
+    state = opt.init(params)
+    counters = optim.find_kfac_state(state)[:5]
+    assert len({id(c) for c in counters}) == 5
+    # One array in two leaves, then two arrays on one buffer.
+    kfac_state = optim.find_kfac_state(state)
+    state = eqx.tree_at(
+        lambda s: optim.find_kfac_state(s).skipped_count, state, kfac_state.count
+    )
+    state = jax.device_put(state, jax.devices()[0])
+    kfac_state = optim.find_kfac_state(state)
+    assert kfac_state.count is not kfac_state.skipped_count
+    step = optim.kfac_step(
+        loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC(), donate=True
+    )
+    for _ in range(2):
+        model, state, loss = step(model, state, batch)
+    assert jnp.isfinite(loss)
+
+
 def test_the_step_lowers_and_traces_ahead_of_time():
     opt, step = _step(True)
     model, batch = problem()

@@ -120,16 +120,31 @@ def _join(arrays: Sequence[Any], static: tuple[Any, tuple[Any, ...]]) -> Any:
     )
 
 
+def _buffer(x: Any) -> Any:
+    """What identifies `x`'s memory: two arrays that `jax.device_put` made from one
+    (a model holding one array in two leaves, replicated) are two objects on one
+    buffer, which XLA refuses to be given twice, donated."""
+    try:
+        return x.unsafe_buffer_pointer()  # on one device
+    except Exception:
+        try:
+            return x.addressable_data(0).unsafe_buffer_pointer()  # sharded
+        except Exception:  # NumPy, a deleted array, no pointers: by identity
+            return id(x)
+
+
 def _distinct(donated: list[Any], kept: list[Any]) -> list[Any]:
-    """`donated`, where an array also found earlier among them or among `kept`
-    replaced by a copy: jax refuses to donate one buffer twice, and a fresh
-    optimiser state can hold one array in several leaves."""
-    seen = {id(x) for x in kept}
+    """`donated`, where an array on a buffer also found earlier among them or among
+    `kept` replaced by a copy: jax refuses to donate one buffer twice, and a model
+    can hold one array in several leaves."""
+    seen = {_buffer(x) for x in kept}
     out = []
     for x in donated:
-        if id(x) in seen:
+        buffer = _buffer(x)
+        if buffer in seen:
             x = jnp.copy(x)
-        seen.add(id(x))
+            buffer = _buffer(x)
+        seen.add(buffer)
         out.append(x)
     return out
 

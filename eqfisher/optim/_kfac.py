@@ -89,8 +89,12 @@ def initial_state(like: Curvature, lam: Array, damping: AbstractDamping) -> KFAC
     # before the first finite estimate (`precondition` gives no step until then),
     # and that estimate always refreshes it (`fold`).
     inverse = jax.eval_shape(lambda c: _invert(c, lam, damping), avg)
-    zero, avg, inverse = _zeros(jax.ShapeDtypeStruct((), jnp.int32), avg, inverse)
-    return KFACState(zero, zero, zero, zero, zero, avg, inverse)
+    # Five counters, five arrays: one array in five leaves is one buffer, which a
+    # step that donates its state (`kfac_step(..., donate=True)`) gave XLA five
+    # times ("Attempt to donate the same buffer twice", then a crash).
+    counter = jax.ShapeDtypeStruct((), jnp.int32)
+    *counts, avg, inverse = _zeros(*[counter] * 5, avg, inverse)
+    return KFACState(*counts, avg, inverse)
 
 
 def _checked_inverse_every(caller: str, inverse_every, carrier: Array) -> Array:
