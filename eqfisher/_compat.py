@@ -332,6 +332,21 @@ def define_marker_primitive(name: str) -> Primitive:
     return prim
 
 
+def _varying_axes(x: Any) -> frozenset[str]:
+    """The manual mesh axes `x` varies over inside `jax.shard_map` (`{V:data}` in
+    its type): the aval's `vma` to jax 0.9, `mat.varying` from jax 0.10."""
+    aval = jax.typeof(x)
+    axes = getattr(aval, "vma", None)
+    if axes is None:
+        axes = getattr(getattr(aval, "mat", None), "varying", None)
+    return frozenset(axes or ())
+
+
+def is_varying(x: Any) -> bool:
+    """Whether `x` varies over a manual mesh axis (inside `jax.shard_map`)."""
+    return bool(_varying_axes(x))
+
+
 def instantiate_zeros(tangent: Any) -> Any:
     return ad.instantiate_zeros(tangent)
 

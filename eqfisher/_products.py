@@ -11,6 +11,7 @@ import lineax as lx
 import optax
 from jaxtyping import Array, Float, PyTree
 
+from . import _compat
 from ._curvature import leaf_shapes
 from ._stop_hessian import stop_hessian as stop_hessian
 from ._tracer import RegisteredLoss, StagedLoss, calls_custom_vjp, split
@@ -54,6 +55,8 @@ class MatrixFreeOperator(lx.AbstractLinearOperator):
         ```
     """
 
+    # The function that builds it, named in its messages.
+    caller: ClassVar[str] = "eqfisher.MatrixFreeOperator"
     params: PyTree
     model_arrays: PyTree
     batch_arrays: PyTree
@@ -66,6 +69,17 @@ class MatrixFreeOperator(lx.AbstractLinearOperator):
         as for `eqfisher.ggn_operator` (which builds the GGN's). Checks that
         `loss_fn` is one this matrix is defined for (traces it, computes
         nothing)."""
+        if any(
+            map(_compat.is_varying, jax.tree.leaves(eqx.filter(batch, eqx.is_array)))
+        ):
+            raise ValueError(
+                f"`{self.caller}`: a batch that varies over a `jax.shard_map` mesh "
+                "axis: the matrix-free operators do not run inside `shard_map` "
+                "(their products mix the batch's device-varying values with "
+                "replicated vectors). Shard the batch with `jax.device_put` and "
+                "call the operator under `jax.jit`, which inserts the reductions "
+                "(docs/scale.md)."
+            )
         self.check(loss_fn, model, batch)
         params, rest = eqx.partition(model, eqx.is_inexact_array)
         self.params = params
@@ -132,8 +146,6 @@ class MatrixFreeOperator(lx.AbstractLinearOperator):
 class _OutputProduct(MatrixFreeOperator):
     """Jᵀ M J for a matrix M of the registered losses' inputs (`weigh`: t ↦ M t)."""
 
-    caller: ClassVar[str]
-
     @abc.abstractmethod
     def weigh(self, loss: RegisteredLoss, tangent: Array) -> Array:
         """M t for one registered loss and a tangent of its inputs."""
@@ -196,6 +208,8 @@ class _EmpiricalFisher(_OutputProduct):
 
 
 class _Hessian(MatrixFreeOperator):
+    caller = "eqfisher.hessian_operator"
+
     def tags(self) -> frozenset:
         return frozenset({lx.symmetric_tag})
 

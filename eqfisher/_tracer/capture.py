@@ -415,6 +415,7 @@ class StagedLoss:
         self.takes_has_aux = takes_has_aux
 
     def stage(self, s: Split, *, layers: bool = True) -> LossProgram:
+        refuse_shard_map(self.caller, s.inputs)
         key = (s.key, current_config(), layers)
         cached = self.cache.get(key)
         if cached is not None:
@@ -433,6 +434,23 @@ class StagedLoss:
         if not consts:
             self.cache[key] = processed
         return processed
+
+
+def refuse_shard_map(caller: str, leaves: Sequence[Any]) -> None:
+    """Refuses arrays typed as varying over a `jax.shard_map` mesh axis (its
+    default `check_vma=True`): there JAX sums the derivatives in replicated
+    parameters over the devices, which mixed the examples of every device into each
+    per-example gradient (a `Dense()` GGN 7× off, with no error)."""
+    if any(map(_compat.is_varying, leaves)):
+        raise ValueError(
+            f"`{caller}`: called inside `jax.shard_map` with `check_vma=True` (its "
+            "default), where JAX sums the derivatives in replicated parameters "
+            "over the devices, which would mix the devices' examples. Pass "
+            "`check_vma=False` to `jax.shard_map` (each device then computes its "
+            "own share's curvature, which you average with `jax.lax.pmean`), or "
+            "shard the batch with `jax.device_put` and call eqfisher under "
+            "`jax.jit` (docs/scale.md)."
+        )
 
 
 def _is_tracer_const(atom) -> bool:

@@ -93,8 +93,8 @@ def initial_state(like: Curvature, lam: Array, damping: AbstractDamping) -> KFAC
     # step that donates its state (`kfac_step(..., donate=True)`) gave XLA five
     # times ("Attempt to donate the same buffer twice", then a crash).
     counter = jax.ShapeDtypeStruct((), jnp.int32)
-    *counts, avg, inverse = _zeros(*[counter] * 5, avg, inverse)
-    return KFACState(*counts, avg, inverse)
+    c0, c1, c2, c3, c4, avg, inverse = _zeros(*[counter] * 5, avg, inverse)
+    return KFACState(c0, c1, c2, c3, c4, avg, inverse)
 
 
 def _checked_inverse_every(caller: str, inverse_every, carrier: Array) -> Array:

@@ -62,10 +62,12 @@ def output_factor(
     gm = output_matrix(record, g_stack)  # (k, locations, d_out)
     if reduce_examples is not None:
         gm = gm.reshape(gm.shape[0], reduce_examples, -1, gm.shape[-1]).sum(2)
-    gm = gm.reshape(-1, gm.shape[-1])
+    # Contracted over (k, locations) as two axes: merged into one, a batch sharded
+    # along the locations was gathered onto every device (k is the major axis).
+    rows = tuple(range(gm.ndim - 1))
     if _too_large(gm.shape[-1], max_factor_dim):
-        return jnp.sum(gm**2, axis=0)
-    return gm.T @ gm
+        return jnp.sum(gm**2, axis=rows)
+    return jnp.tensordot(gm, gm, axes=(rows, rows))
 
 
 def input_factor(
