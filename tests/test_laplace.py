@@ -371,6 +371,22 @@ def test_calibration_metrics():
     assert float(la.expected_calibration_error(p, y)) == pytest.approx(ece, rel=1e-12)
 
 
+def test_optimize_hyperparameters_compiles_once_for_every_learning_rate():
+    # A Python float learning rate was a constant of the compiled loop: each new
+    # value compiled it again (0.4-1.2 s), as in a sweep over learning rates.
+    lap, *_ = build("kfac", None, True)
+    tuned = {}
+    for rate in (0.05, 0.02, 0.01):
+        run = ft.partial(la.optimize_hyperparameters, lap, steps=5, learning_rate=rate)
+        compiles = compiled_during(run)
+        assert not compiles or rate == 0.05, compiles
+        tuned[rate] = run()[1]
+    assert not jnp.allclose(tuned[0.05], tuned[0.01])  # the rate is not ignored
+    for bad in (0.0, -0.1, math.inf, True):
+        with pytest.raises(ValueError, match=r"learning_rate=\.\.\.\)`: a positive"):
+            la.optimize_hyperparameters(lap, steps=5, learning_rate=bad)
+
+
 def test_optimize_hyperparameters_finds_the_maximum():
     """Adam on (log δ, log σ) ends at a stationary point of the dense formula that is
     above every point of a grid around it."""

@@ -1,6 +1,7 @@
 """Tuning the prior precision (and noise) by the Laplace marginal likelihood."""
 
 import functools
+import math
 from collections.abc import Callable
 
 import equinox as eqx
@@ -15,12 +16,11 @@ from ._blockwise import block_values
 from ._posterior import Laplace, Likelihood, fit
 
 
-@eqx.filter_jit
 def optimize_hyperparameters(
     posterior: Laplace,
     *,
     steps: int = 100,
-    learning_rate: float = 0.1,
+    learning_rate: ScalarLike = 0.1,
     noise: bool = False,
 ) -> tuple[Laplace, jax.Array]:
     r"""Maximises `log_marginal_likelihood` over $\log \delta$ (and $\log \sigma$) with
@@ -59,6 +59,18 @@ def optimize_hyperparameters(
             "`eqfisher.laplace.optimize_hyperparameters(..., steps=...)`: a "
             f"positive int, got {steps!r}{int_hint(steps)}."
         )
+    _check_rate(learning_rate)
+    # An array, not a constant of the compiled loop: a new value would compile it
+    # again.
+    dtype = jnp.result_type(*jax.tree.leaves(posterior.prior_precision))
+    rate = jnp.asarray(learning_rate, dtype)
+    return _optimized(posterior, steps=steps, learning_rate=rate, noise=noise)
+
+
+@eqx.filter_jit
+def _optimized(
+    posterior: Laplace, *, steps: int, learning_rate: Array, noise: bool
+) -> tuple[Laplace, jax.Array]:
     if noise and posterior.likelihood != "regression":
         raise ValueError(
             "`eqfisher.laplace.optimize_hyperparameters(..., noise=True)` tunes the "
@@ -89,6 +101,20 @@ def optimize_hyperparameters(
 
     (logs, _), history = jax.lax.scan(step, (logs, opt.init(logs)), length=steps)
     return build(logs), history
+
+
+def _check_rate(learning_rate) -> None:
+    if isinstance(learning_rate, jax.core.Tracer):
+        return
+    try:
+        rate = math.nan if isinstance(learning_rate, bool) else float(learning_rate)
+    except (TypeError, ValueError):
+        rate = math.nan
+    if not 0 < rate < math.inf:
+        raise ValueError(
+            "`eqfisher.laplace.optimize_hyperparameters(..., learning_rate=...)`: "
+            f"a positive finite number, got {learning_rate!r}."
+        )
 
 
 def marglik_training(
