@@ -211,3 +211,27 @@ def test_reduce_ekfac_scales_are_diagonal_in_its_basis():
 def test_bad_weight_sharing(unchecked):
     with pytest.raises(ValueError, match="weight_sharing"):
         ef.KFAC(weight_sharing="sum")
+
+
+def test_a_weight_tied_between_layers_with_their_own_biases_is_named():
+    # The reason said "used by 2 layers of different kinds or layouts": both are
+    # dense layers of one layout; what differs is their biases.
+    first, second = (
+        eqx.nn.Linear(3, 3, dtype=jnp.float64, key=jax.random.key(k)) for k in (5, 6)
+    )
+    shared = eqx.nn.Shared(
+        (first, second), where=lambda p: p[1].weight, get=lambda p: p[0].weight
+    )
+    x, y = jax.random.normal(jax.random.key(1), (6, 3)), jnp.arange(6) % 3
+
+    def loss_fn(model, batch):
+        a, b = model()
+        return ef.softmax_cross_entropy(
+            jax.vmap(lambda v: b(jnp.tanh(a(v))))(batch[0]), batch[1]
+        )
+
+    report = ef.find_layers(loss_fn, shared, (x, y))
+    reasons = dict(zip(report.unmatched, report.reasons))
+    assert (
+        "tied between 2 dense layers that have biases" in reasons[".pytree[0].weight"]
+    )

@@ -42,17 +42,29 @@ def _ties(cands: Sequence[Candidate]) -> tuple[Mapping[int, tuple], Verdict]:
         if _tie_compatible(users):
             tied.update({id(c): tuple(users) for c in users})
             continue
-        kind = users[0].kind
-        reason = (
-            f"read by {len(users)} separate {kind.name} applications, whose "
-            "statistics do not pool (for an embedding, look every token up at "
-            "once: `weight[tokens]`)"
-            if not kind.tieable and all(c.kind == kind for c in users)
-            else f"used by {len(users)} layers of different kinds or layouts "
-            "(shared or tied weights)"
-        )
-        verdict = verdict.drop(users, {index: reason})
+        verdict = verdict.drop(users, {index: _untied(users)})
     return tied, verdict
+
+
+def _untied(users: Sequence[Candidate]) -> str:
+    """Why the applications of one parameter do not make one tied layer."""
+    kind, n = users[0].kind, len(users)
+    same_kind = all(c.kind == kind for c in users)
+    if same_kind and not kind.tieable:
+        return (
+            f"read by {n} separate {kind.name} applications, whose statistics do "
+            "not pool (for an embedding, look every token up at once: "
+            "`weight[tokens]`)"
+        )
+    biases = {None if c.bias is None else c.bias.index for c in users}
+    weights = {None if c.weight is None else c.weight.index for c in users}
+    if same_kind and len(weights) == 1 and len(biases) > 1:
+        return (
+            f"a weight tied between {n} {kind.name} layers that have biases of "
+            "their own: a tied layer is one weight and one bias, so these are "
+            "not one layer (tie the biases too, or leave them out)"
+        )
+    return f"used by {n} layers of different kinds or layouts (shared or tied weights)"
 
 
 def _tie_compatible(users: Sequence[Candidate]) -> bool:
