@@ -38,6 +38,18 @@ class Scanned(eqx.Module):
         return self.head(jax.lax.scan(body, x, params)[0])
 
 
+class Looped(Scanned):
+    """The stacked layers of `Scanned`, read one step at a time by a Python loop:
+    `a[k]` is a `slice` and a `squeeze` of the whole leaf (no layer before)."""
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.layers, eqx.is_array)
+        for k in range(3):
+            step = jax.tree.map(lambda a, k=k: a[k], params)
+            x = jnp.tanh(eqx.combine(step, static)(x))
+        return self.head(x)
+
+
 class Nested(eqx.Module):
     """Two groups of two stacked layers: leaves of shape (2, 2, ...), two scans."""
 
@@ -159,12 +171,14 @@ def _layer_rows(model, name):
 
 CASES = {
     "scanned": (lambda: Scanned(jax.random.key(0)), (D,)),
+    "python loop": (lambda: Looped(jax.random.key(0)), (D,)),
     "nested": (lambda: Nested(jax.random.key(0)), (D,)),
     "outputs": (lambda: Outputs(jax.random.key(0)), (D,)),
     "conv": (lambda: ConvStack(jax.random.key(0)), (2, 4, 4)),
 }
 NAMES = {
     "scanned": ["layers[0]", "layers[1]", "layers[2]", "head"],
+    "python loop": ["layers[0]", "layers[1]", "layers[2]", "head"],
     "nested": ["layers[0][0]", "layers[0][1]", "layers[1][0]", "layers[1][1]", "head"],
     "outputs": ["layers[0]", "layers[1]", "layers[2]", "head"],
     "conv": ["convs[0]", "convs[1]", "head"],
@@ -211,7 +225,7 @@ def test_exact_structures_match_the_dense_ggn(case):
     np.testing.assert_allclose(got, np.where(mask, ref, 0.0), atol=1e-12)
 
 
-@pytest.mark.parametrize("case", ["scanned", "nested"])
+@pytest.mark.parametrize("case", ["scanned", "python loop", "nested"])
 def test_kfac_is_exact_per_step_for_one_example(case):
     make, shape = CASES[case]
     model, batch = make(), _data(shape, n=1)

@@ -57,8 +57,8 @@ def _untied(users: Sequence[Candidate]) -> str:
             "`weight[tokens]`)"
         )
     biases = {None if c.bias is None else c.bias.index for c in users}
-    weights = {None if c.weight is None else c.weight.index for c in users}
-    if same_kind and len(weights) == 1 and len(biases) > 1:
+    layouts = {_tie_key(c)[:2] + _tie_key(c)[3:] for c in users}
+    if same_kind and len(layouts) == 1 and len(biases) > 1:
         return (
             f"a weight tied between {n} {kind.name} layers that have biases of "
             "their own: a tied layer is one weight and one bias, so these are "
@@ -67,21 +67,22 @@ def _untied(users: Sequence[Candidate]) -> str:
     return f"used by {n} layers of different kinds or layouts (shared or tied weights)"
 
 
+def _tie_key(c: Candidate) -> tuple:
+    """What the applications of one tied layer share: kind, weight, bias, layout."""
+    return (
+        c.kind,
+        None if c.weight is None else c.weight.index,
+        None if c.bias is None else c.bias.index,
+        c.weight_perm,
+        c.d_in,
+        len(axes.feature_axes(c.out_labels)),
+    )
+
+
 def _tie_compatible(users: Sequence[Candidate]) -> bool:
     """Whether several applications of one weight can share a Kronecker block."""
-
-    def key(c: Candidate):
-        return (
-            c.kind,
-            None if c.weight is None else c.weight.index,
-            None if c.bias is None else c.bias.index,
-            c.weight_perm,
-            c.d_in,
-            len(axes.feature_axes(c.out_labels)),
-        )
-
-    first = key(users[0])
-    return users[0].kind.tieable and all(key(c) == first for c in users)
+    first = _tie_key(users[0])
+    return users[0].kind.tieable and all(_tie_key(c) == first for c in users)
 
 
 def _outside_uses(cands, tied, graph: Graph, verdict: Verdict) -> Verdict:

@@ -3,6 +3,7 @@ loss tags, keeping the scans that read parameters as `ScanNode`s, unrolling the
 others, and cutting stacked parameters into scan units.
 """
 
+import contextvars
 import dataclasses
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -116,6 +117,9 @@ def _flatten_eqn(eqn, atoms, made, out_origins) -> _Piece:
         return _unroll(eqn, atoms, made)
     if reads_params and eqn.primitive is layer_tag_p and eqn.params["groups"]:
         return _ungroup(eqn, atoms, made)
+    step = _one_step(eqn, args)
+    if step is not None:
+        return _step_read(args[0], step, made)
     # A relayout of a parameter is a view of it: still a parameter.
     origin = next((a.origin for a in args if isinstance(a, PVar) and a.origin), None)
     if origin is not None and eqn.primitive.name in STRUCTURAL:
@@ -176,14 +180,55 @@ def _step_slice(a: Atom, step: int, made) -> _Piece:
         key = (origin.leaf, origin.index + (step,))
         exact = origin.exact and key not in made
         origin = Origin(key[0], key[1], exact)
-    piece = _call(
-        lambda x: jax.lax.index_in_dim(x, step, keepdims=False), [a], made, [origin]
-    )
+    token = _CUTTING.set(True)
+    try:
+        piece = _call(
+            lambda x: jax.lax.index_in_dim(x, step, keepdims=False), [a], made, [origin]
+        )
+    finally:
+        _CUTTING.reset(token)
     (out,) = piece.outs
     if origin is None or not origin.exact or not isinstance(out, PVar):
         return piece
     unit = Unit(out, origin.leaf, origin.index, a, piece.nodes)  # pyright: ignore
     return piece._replace(units=piece.units + (unit,))
+
+
+# Set while `_step_slice` flattens its own slice, which is no Python loop's read.
+_CUTTING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "cutting", default=False
+)
+
+
+def _one_step(eqn, args: Sequence[Atom]) -> int | None:
+    """`k` when `eqn` is `leaf[k:k + 1]` of a whole parameter leaf (or unit), all of
+    its other axes whole: how `leaf[k]` reads one layer of a stacked leaf in a
+    Python loop (`jax.tree.map(lambda x: x[k], stack)`, a `slice` then a
+    `squeeze`); None otherwise."""
+    if eqn.primitive.name != "slice" or len(args) != 1 or _CUTTING.get():
+        return None
+    (a,) = args
+    if not (isinstance(a, PVar) and a.origin is not None and a.origin.exact):
+        return None
+    shape = a.aval.shape
+    start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+    strides = eqn.params["strides"] or (1,) * len(shape)
+    whole = all(
+        start[i] == 0 and limit[i] == shape[i] and strides[i] == 1
+        for i in range(1, len(shape))
+    )
+    one = len(shape) > 1 and limit[0] == start[0] + 1 and strides[0] == 1
+    return start[0] if whole and one else None
+
+
+def _step_read(a: PVar, step: int, made) -> _Piece:
+    """`a[step:step + 1]`, as a scan unit `a[step]` with its leading axis put back:
+    one step of a stacked leaf read in a Python loop is the layer an unrolled scan's
+    step would be."""
+    cut = _step_slice(a, step, made)
+    (unit,) = cut.outs
+    kept = _call(lambda x: x[None], [unit], made)  # pyright: ignore[reportArgumentType]
+    return _Piece(kept.outs, cut.nodes + kept.nodes, cut.units + kept.units)
 
 
 def _slice_all(atoms: Sequence[Atom], step: int, made) -> _Piece:
