@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, PyTree, ScalarLike

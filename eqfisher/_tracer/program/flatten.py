@@ -119,7 +119,7 @@ def _flatten_eqn(eqn, atoms, made, out_origins) -> _Piece:
         return _ungroup(eqn, atoms, made)
     step = _one_step(eqn, args)
     if step is not None:
-        return _step_read(args[0], step, made)
+        return _step_read(cast(PVar, args[0]), step, made)
     # A relayout of a parameter is a view of it: still a parameter.
     origin = next((a.origin for a in args if isinstance(a, PVar) and a.origin), None)
     if origin is not None and eqn.primitive.name in STRUCTURAL:
