@@ -3,6 +3,7 @@ stacked leaves, and its curvature blocks agree with dense float64 references."""
 
 import equinox as eqx
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -489,3 +490,32 @@ def test_statistics_run_each_scan_forward_once():
     )
     assert _while_loops(grad, model, batch) == 2
     assert _while_loops(vgc, model, batch) == 3
+
+
+class _OneRow(eqx.Module):
+    """One row of a table read as a shift: no stack of layers."""
+
+    linear: eqx.nn.Linear
+    table: jax.Array
+
+    def __call__(self, x):
+        return self.linear(x) + self.table[1]
+
+
+def test_one_step_of_a_leaf_read_alone_is_no_layer():
+    # Had `table[1]` been cut from the table as a loop's layer, the other rows
+    # would have been in no block: `mv` disagreed with `as_matrix` by 1.0.
+    linear = eqx.nn.Linear(D, 2, dtype=F64, key=jax.random.key(0))
+    model = _OneRow(linear, jax.random.normal(jax.random.key(1), (3, 2), F64))
+    batch = _data((D,))
+    assert ef.find_layers(ce, model, batch).unmatched == (".table",)
+    v = jax.tree.map(jnp.ones_like, eqx.filter(model, eqx.is_inexact_array))
+    flat = jax.flatten_util.ravel_pytree
+    for structure in (ef.Diagonal(), ef.KFAC()):
+        curv = ef.curvature(ce, model, batch, estimator=ef.GGN(), structure=structure)
+        np.testing.assert_allclose(
+            flat(curv.mv(v))[0], curv.as_matrix() @ flat(v)[0], atol=1e-14
+        )
+    ref = _ggn(model, batch)
+    diag = ef.curvature(ce, model, batch, estimator=ef.GGN(), structure=ef.Diagonal())
+    np.testing.assert_allclose(diag.as_matrix(), np.diag(np.diag(ref)), atol=1e-12)

@@ -46,6 +46,27 @@ def _unit_keys(units: Sequence[Unit]) -> frozenset[tuple[int, tuple[int, ...]]]:
     return frozenset((u.leaf, u.index) for u in units)
 
 
+def _walk_reading_steps(
+    jaxpr, scope: Mapping[int, Atom], whole: frozenset[int]
+) -> tuple[_Piece, frozenset[int]]:
+    """`_walk` of the whole program, reading the one-step slices of parameter leaves
+    not in `whole` as scan units (see `_one_step`); and the leaves of which such
+    slices read only some steps. Their units would not cover the leaf (a table of
+    which one row is read), so they are to be read whole."""
+    reads: list[tuple[int, int]] = []
+    token = _STEP_READS.set((whole, reads))
+    try:
+        piece = _walk(jaxpr, scope, frozenset())
+    finally:
+        _STEP_READS.reset(token)
+    steps: dict[int, set[int]] = {}
+    for leaf, step in reads:
+        steps.setdefault(leaf, set()).add(step)
+    shapes = [v.aval.shape for v in jaxpr.invars]
+    partial = {k for k, got in steps.items() if got != set(range(shapes[k][0]))}
+    return piece, frozenset(partial)
+
+
 def _atom(scope: Mapping[int, Atom], v) -> Atom:
     if _compat.is_literal(v):
         return Const(_compat.literal_value(v))
@@ -64,7 +85,9 @@ def flatten(jaxpr, consts: Sequence[Any], num_params: int) -> Program:
     )
     scope: dict[int, Atom] = {id(v): Const(c) for v, c in zip(jaxpr.constvars, consts)}
     scope.update({id(v): p for v, p in zip(jaxpr.invars, invars)})
-    piece = _walk(jaxpr, scope, frozenset())
+    piece, partial = _walk_reading_steps(jaxpr, scope, frozenset())
+    if partial:  # once more, those leaves read whole
+        piece, _ = _walk_reading_steps(jaxpr, scope, partial)
     # A walk's outputs are atoms (only an equation's dropped outputs are None); a
     # constant output is returned as an array, as `jax.jit` returns it.
     outvars = tuple(
@@ -198,6 +221,11 @@ def _step_slice(a: Atom, step: int, made) -> _Piece:
 _CUTTING: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "cutting", default=False
 )
+# While `flatten` walks a program: the leaves to read whole, and the (leaf, step)
+# of the one-step reads made into units.
+_STEP_READS: contextvars.ContextVar[tuple[frozenset[int], list] | None] = (
+    contextvars.ContextVar("step_reads", default=None)
+)
 
 
 def _one_step(eqn, args: Sequence[Atom]) -> int | None:
@@ -205,11 +233,14 @@ def _one_step(eqn, args: Sequence[Atom]) -> int | None:
     its other axes whole: how `leaf[k]` reads one layer of a stacked leaf in a
     Python loop (`jax.tree.map(lambda x: x[k], stack)`, a `slice` then a
     `squeeze`); None otherwise."""
+    reading = _STEP_READS.get()
     if eqn.primitive.name != "slice" or len(args) != 1 or _CUTTING.get():
         return None
     (a,) = args
     if not (isinstance(a, PVar) and a.origin is not None and a.origin.exact):
         return None
+    if reading is None or a.origin.index or a.origin.leaf in reading[0]:
+        return None  # a scan unit's slice, or a leaf to read whole
     shape = a.aval.shape
     start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
     strides = eqn.params["strides"] or (1,) * len(shape)
@@ -218,7 +249,10 @@ def _one_step(eqn, args: Sequence[Atom]) -> int | None:
         for i in range(1, len(shape))
     )
     one = len(shape) > 1 and limit[0] == start[0] + 1 and strides[0] == 1
-    return start[0] if whole and one else None
+    if not (whole and one):
+        return None
+    reading[1].append((a.origin.leaf, start[0]))
+    return start[0]
 
 
 def _step_read(a: PVar, step: int, made) -> _Piece:
