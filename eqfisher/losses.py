@@ -492,7 +492,6 @@ def register_loss(
     if mask is None:
         mask = jnp.ones(leading, inputs.dtype)
     else:
-        mask = jnp.asarray(mask)
         if mask.shape != leading:
             raise ValueError(
                 f"`{caller}(..., mask=...)`: `mask` must have shape {leading} "
