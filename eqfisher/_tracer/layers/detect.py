@@ -229,6 +229,8 @@ def _unique_names(records: Sequence[LayerRecord]) -> tuple[LayerRecord, ...]:
 
 
 _CONTROL_FLOW = frozenset({"scan", "cond", "while"})
+# `register_dense` declarations that declare no layer, with why.
+_Faults = list[tuple[Node, str]]
 
 
 def _unmatched(
@@ -236,16 +238,17 @@ def _unmatched(
 ) -> tuple[tuple[str, str], ...]:
     used = {i for r in records for i in r.param_indices}
     split = graph.program.stacked()
+    faults = _faulty_declarations(graph)
     out = []
     for i in sorted(range(len(graph.paths)), key=graph.model_order):
         if i in used or id(graph.srcvars[i]) in split:  # stacked: see its units
             continue
-        out.append((graph.paths[i], _reason(i, verdict, graph)))
+        out.append((graph.paths[i], _reason(i, verdict, graph, faults)))
     return tuple(out)
 
 
-def _reason(index: int, verdict: Verdict, graph: Graph) -> str:
-    fault = _declaration_fault(graph, index)
+def _reason(index: int, verdict: Verdict, graph: Graph, faults: _Faults) -> str:
+    fault = _declaration_fault(graph, index, faults)
     if fault is not None:
         return fault
     if index in verdict.reasons:
@@ -268,12 +271,16 @@ def _reason(index: int, verdict: Verdict, graph: Graph) -> str:
     return "no layer pattern" if view is None else view
 
 
-def _declaration_fault(graph: Graph, index: int) -> str | None:
+def _faulty_declarations(graph: Graph) -> _Faults:
+    """The `register_dense` declarations that declare no layer, and why."""
+    faults = [(n, declaration_fault(n, graph)) for n in graph.program.nodes]
+    return [(node, fault) for node, fault in faults if fault is not None]
+
+
+def _declaration_fault(graph: Graph, index: int, faults: _Faults) -> str | None:
     """Why a `register_dense` declaration that a parameter feeds (as its weight or
     bias, or through what computes them) declares no layer; None when it feeds none
     such."""
-    faults = [(n, declaration_fault(n, graph)) for n in graph.program.nodes]
-    faults = [(node, fault) for node, fault in faults if fault is not None]
     if not faults:
         return None
     down = {id(graph.srcvars[index])}
@@ -445,12 +452,13 @@ def _step_unmatched(
         back.update({v: k for v in steps.values()})
     split = program.stacked()
     srcvars = sources(program, graph.num_leaves)
+    faults = _faulty_declarations(graph)
     unmatched = []
     for i in sorted(range(len(numbering.paths)), key=lambda i: numbering.orders[i]):
         if i in used or id(srcvars[i]) in split:
             continue
         k = back[i]
-        reason = _reason(k, verdict, graph)
+        reason = _reason(k, verdict, graph, faults)
         if k in numbers.per_step:
             step = numbering.orders[i][1][0]
             reason = reason.replace(f"[{SYMBOLIC}]", f"[{step}]")
