@@ -358,7 +358,7 @@ def test_the_docstring_checks_see_formulas():
     # The docstrings are found, with their files, and the maths in them is read.
     assert len(DOCSTRINGS) > 100
     paths = {path for _, path, _ in DOCSTRINGS}
-    assert {"eqfisher/losses.py", "eqfisher/blocks/kronecker.py"} <= paths
+    assert {"eqfisher/losses/_family.py", "eqfisher/blocks/kronecker.py"} <= paths
     maths = [f for _, _, doc in DOCSTRINGS for f in _maths(_without_code(doc))]
     assert r"S S^\top = H" in maths
     # Every example script's module docstring, which its page opens with.
