@@ -13,6 +13,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import eqfisher as ef
 
+from .helpers import compiled_during
+
 
 def loss_fn(model, batch):
     x, y = batch
@@ -94,6 +96,43 @@ def test_kfac_optimiser_matches_one_device(setup):
             model, state = step(model, state, batch)
         finals.append(model)
     assert_close(finals[0], finals[1])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda like: ef.optim.kfac(0.05, like=like),
+        lambda like: ef.optim.kfac_preconditioner(like=like),
+        lambda like: ef.optim.kfac_adaptive(like=like),
+    ],
+    ids=["kfac", "kfac_preconditioner", "kfac_adaptive"],
+)
+def test_init_replicates_the_state_over_the_parameters_mesh(setup, make):
+    # K-FAC's zeros and optax's counters are made on the default device; on
+    # replicated parameters a jitted step then compiled again at its second call.
+    (model, batch), (s_model, s_batch) = setup
+    vgc = ef.value_grad_and_curvature(loss_fn, estimator=ef.GGN(), structure=ef.KFAC())
+    params = eqx.filter(s_model, eqx.is_inexact_array)
+    state = make(ef.optim.curvature_like(vgc, model, batch)).init(params)
+    replicated = NamedSharding(params.layers[0].weight.sharding.mesh, P())
+    for x in jax.tree_util.tree_leaves(state):
+        assert x.sharding.is_equivalent_to(replicated, x.ndim)
+    # Parameters on one device: the state stays on the default device.
+    one = make(ef.optim.curvature_like(vgc, model, batch)).init(
+        eqx.filter(model, eqx.is_inexact_array)
+    )
+    assert {len(x.sharding.device_set) for x in jax.tree_util.tree_leaves(one)} == {1}
+
+
+def test_kfac_step_on_replicated_parameters_compiles_once(setup):
+    (model, batch), (s_model, s_batch) = setup
+    vgc = ef.value_grad_and_curvature(loss_fn, estimator=ef.GGN(), structure=ef.KFAC())
+    opt = ef.optim.kfac(0.05, like=ef.optim.curvature_like(vgc, model, batch))
+    state = opt.init(eqx.filter(s_model, eqx.is_inexact_array))
+    step = ef.optim.kfac_step(loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC())
+    s_model, state, _ = step(s_model, state, s_batch)
+    # The second call found its state where the first one left it.
+    assert compiled_during(lambda: step(s_model, state, s_batch)) == []
 
 
 def test_label_checks_do_not_gather_the_batch(setup):

@@ -17,6 +17,7 @@ from ._state import (
     check_preconditioner_args,
     check_range,
     is_constant_zero,
+    placed,
 )
 
 
@@ -162,4 +163,4 @@ def kfac_adaptive(
         return step, AdaptiveKFACState(kstate, cast(AdaptiveState, sstate))
 
     # optax types a state as an array tree; this one holds Curvatures (pytrees too).
-    return optax.GradientTransformationExtraArgs(init, update)  # pyright: ignore[reportArgumentType]
+    return placed(optax.GradientTransformationExtraArgs(init, update))  # pyright: ignore[reportArgumentType]

@@ -32,6 +32,7 @@ from ._state import (
     is_constant,
     is_constant_zero,
     like_mismatch,
+    placed,
     require_estimate,
     sum_squares,
     value_at,
@@ -384,15 +385,17 @@ def kfac_preconditioner(
         assert loss_fn(stepped, batch) < loss_fn(model, batch)
         ```
     """
-    return _preconditioner(
-        "kfac_preconditioner",
-        like=like,
-        damping=damping,
-        decay=decay,
-        inverse_every=inverse_every,
-        damping_variant=damping_variant,
-        norm_constraint=norm_constraint,
-        learning_rate=learning_rate,
+    return placed(
+        _preconditioner(
+            "kfac_preconditioner",
+            like=like,
+            damping=damping,
+            decay=decay,
+            inverse_every=inverse_every,
+            damping_variant=damping_variant,
+            norm_constraint=norm_constraint,
+            learning_rate=learning_rate,
+        )
     )
 
 
@@ -600,4 +603,4 @@ def kfac(
     if not is_constant_zero(momentum):
         parts.append(kept_momentum(momentum))
     parts.append(optax.scale_by_learning_rate(learning_rate))
-    return in_gradient_dtypes(optax.chain(*parts))
+    return placed(in_gradient_dtypes(optax.chain(*parts)))

@@ -362,6 +362,54 @@ def branch(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any) -
     return true_fun(*operands) if bool(pred) else false_fun(*operands)
 
 
+def _replicated_over(params: PyTree) -> jax.sharding.NamedSharding | None:
+    """Replication over the mesh of `params`, where they are concrete arrays of this
+    process placed with `NamedSharding`s of one mesh of several devices
+    (docs/scale.md's recipe); else None. (Across processes, `init` is jitted:
+    docs/scale.md.)"""
+    leaves = jax.tree_util.tree_leaves(params)
+    if not leaves or not all(
+        isinstance(x, jax.Array)
+        and not isinstance(x, jax.core.Tracer)
+        and x.is_fully_addressable
+        for x in leaves
+    ):
+        return None
+    shardings = [getattr(x, "sharding", None) for x in leaves]
+    if not all(isinstance(s, jax.sharding.NamedSharding) for s in shardings):
+        return None
+    meshes = {s.mesh for s in shardings}  # pyright: ignore[reportOptionalMemberAccess]
+    if len(meshes) != 1 or next(iter(meshes)).size == 1:
+        return None
+    return jax.sharding.NamedSharding(meshes.pop(), jax.sharding.PartitionSpec())
+
+
+def placed(
+    inner: optax.GradientTransformationExtraArgs,
+) -> optax.GradientTransformationExtraArgs:
+    """`inner`, its `init` replicating over the parameters' mesh every state array
+    left elsewhere (optax's counters, say, and K-FAC's zeros are made on the
+    default device): a jitted step then finds its state where its first call
+    leaves it, and does not compile again at its second call."""
+
+    def init(params):
+        state = inner.init(params)
+        target = _replicated_over(params)
+        if target is None:
+            return state
+        devices = target.device_set
+        return jax.tree_util.tree_map(
+            lambda x: (
+                jax.device_put(x, target)
+                if isinstance(x, jax.Array) and x.sharding.device_set != devices
+                else x
+            ),
+            state,
+        )
+
+    return optax.GradientTransformationExtraArgs(init, inner.update)
+
+
 def curvature_like(fn: Callable, *args: Any, **kwargs: Any) -> Curvature:
     """The shape of the curvature `fn(*args, **kwargs)` returns, without computing it.
 
