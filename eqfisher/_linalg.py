@@ -20,16 +20,38 @@ from . import _compat
 
 
 def _over_leading_axes(op: Callable, ndim: int) -> Callable:
-    """`op` on its arguments' last `ndim` axes, looped over their leading axes."""
-    one = jax.custom_batching.sequential_vmap(op)  # vmap: a `lax.map` of `op`
+    """`op` on its arguments' last `ndim` axes, looped over their leading axes.
+
+    The loop's body is one function for all calls (a `lax.scan` of it traced once),
+    and `jax.vmap` of the loop is the loop over the new axis too: called eagerly
+    inside a `vmap` (`Curvature.solve` on a stacked layer), a loop made afresh at
+    each call was traced and compiled again at each call.
+    """
+
+    def body(carry, xs):
+        return carry, looped(*xs)
 
     def looped(*args):
         batch = jnp.shape(args[0])[: jnp.ndim(args[0]) - ndim]
         if not batch:
             return one(*args)
         flat = [jnp.reshape(a, (-1, *jnp.shape(a)[len(batch) :])) for a in args]
-        out = jax.lax.map(lambda xs: one(*xs), flat)
+        _, out = jax.lax.scan(body, (), flat)
         return jax.tree.map(lambda o: jnp.reshape(o, (*batch, *o.shape[1:])), out)
+
+    @jax.custom_batching.custom_vmap
+    def one(*args):
+        return op(*args)
+
+    @one.def_vmap
+    def _(axis_size, in_batched, *args):
+        # The batched arguments' new axis is the leading one.
+        front = [
+            a if batched else jnp.broadcast_to(a, (axis_size, *jnp.shape(a)))
+            for a, batched in zip(args, in_batched)
+        ]
+        out = looped(*front)
+        return out, jax.tree.map(lambda _: True, out)
 
     return looped
 

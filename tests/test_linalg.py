@@ -21,6 +21,8 @@ import eqfisher as ef
 import eqfisher.spectral as sp
 from eqfisher import _compat, _linalg
 
+from .helpers import compiled_during
+
 
 def _psd(shape, seed=0):
     x = jr.normal(jr.key(seed), (*shape, shape[-1] + 2))
@@ -161,6 +163,33 @@ def test_kfac_inverses_of_a_stacked_layer_call_lapack_unbatched(looped, variant)
     plain = eqx.filter_jit(step)(grads, state, params, curv)[0]
     for a, b in zip(jax.tree.leaves(with_loop), jax.tree.leaves(plain)):
         np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_an_eager_vmapped_loop_compiles_once(looped):
+    # `Curvature.solve` on a stacked layer vmaps its blocks' solves eagerly: a loop
+    # made afresh at each call (`sequential_vmap`'s `lax.map`) compiled each time.
+    model = Stack(jr.key(0))
+    batch = (jr.normal(jr.key(1), (8, 6)), jr.randint(jr.key(2), (8,), 0, 4))
+    curv = ef.curvature(_loss, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+    grads = eqx.filter_grad(_loss)(model, batch)
+    first = curv.solve(grads, 1e-3)
+    assert compiled_during(lambda: curv.solve(grads, 2e-3)) == []
+    dense = curv.as_matrix() + 1e-3 * jnp.eye(curv.as_matrix().shape[0])
+    flat = jax.flatten_util.ravel_pytree(grads)[0]
+    np.testing.assert_allclose(
+        jax.flatten_util.ravel_pytree(first)[0],
+        jnp.linalg.solve(dense, flat),
+        rtol=1e-9,
+    )
+    # An argument the vmap does not batch is shared by every matrix of the loop.
+    factor = jnp.linalg.cholesky(_psd((5,)))
+    b = jr.normal(jr.key(3), (4, 5, 2))
+    looped_solve = _linalg.one_matrix_at_a_time(_linalg._cho_solve)
+    np.testing.assert_allclose(
+        jax.vmap(looped_solve, in_axes=(None, 0))(factor, b),
+        jax.vmap(_linalg._cho_solve, in_axes=(None, 0))(factor, b),
+        rtol=1e-12,
+    )
 
 
 @pytest.mark.parametrize(
