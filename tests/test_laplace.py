@@ -735,3 +735,20 @@ def test_predictives_called_eagerly_compile_once():
     for call in calls:
         jax.block_until_ready(jax.tree_util.tree_leaves(call()))
     assert compiled_during(lambda: [call() for call in calls]) == []
+
+
+def test_fit_refuses_a_mask_of_sum_zero_as_curvature_does():
+    # Run eagerly, `fit`'s reading of the registered loss failed inside JAX's
+    # callback: an internal `JaxRuntimeError` wrapping the mask's message.
+    model = make_model()
+    x = jax.random.normal(jax.random.key(1), (6, D_IN), jnp.float64)
+
+    def masked(m, batch):
+        x, y, mask = batch
+        return ef.softmax_cross_entropy(jax.vmap(m)(x), y, mask=mask)
+
+    batch = (x, jnp.arange(6) % D_OUT, jnp.zeros(6))
+    with pytest.raises(eqx.EquinoxRuntimeError, match="with a positive sum"):
+        ef.laplace.fit(
+            masked, model, batch, likelihood="classification", structure=ef.Diagonal()
+        )

@@ -459,12 +459,21 @@ def test_one_example_rerun_failures_say_what_happened():
     with pytest.raises(ValueError, match=rerun) as info:
         ef.curvature(loss_fn, square, (xs, y), examples=axis, **kw)
     assert "`examples=eqfisher.IndependentExamples(axis=...)`" in str(info.value)
-    # An empty batch has its own error, for every structure.
+    # An empty batch has its own error, for every structure, the loss itself (a
+    # mean over no examples: NaN) and the matrix-free operators (which gave a
+    # matrix of zeros, and a ZeroDivisionError).
+    empty = (x[:0], y[:0])
     for structure in (ef.Diagonal(), ef.KFAC()):
-        with pytest.raises(ValueError, match=r"`batch` holds no examples"):
-            ef.curvature(
-                loss_fn, model, (x[:0], y[:0]), estimator=ef.GGN(), structure=structure
-            )
+        with pytest.raises(ValueError, match=r"the batch holds no examples"):
+            ef.curvature(loss_fn, model, empty, estimator=ef.GGN(), structure=structure)
+    for build in (ef.ggn_operator, ef.empirical_fisher_operator):
+        with pytest.raises(ValueError, match=r"the batch holds no examples"):
+            build(loss_fn, model, empty)
+    with pytest.raises(ValueError, match=r"the batch holds no examples"):
+        loss_fn(model, empty)
+    # So has a model of no outputs (no classes).
+    with pytest.raises(ValueError, match=r"each example has no outputs"):
+        ef.softmax_cross_entropy(jnp.zeros((N, 0)), y)
     # The way out the messages give works: exact, against the dense reference.
     exact = ef.curvature(
         _hard_coded,

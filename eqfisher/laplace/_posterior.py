@@ -428,6 +428,17 @@ class Laplace(eqx.Module):
         return eqx.combine(theta, rest, static)
 
 
+# Compiled, as `eqfisher.curvature` is: run eagerly, a check of `loss_fn`'s (a mask
+# of sum 0) failed inside JAX's callback, its message wrapped in an internal error.
+@eqx.filter_jit
+def _registered(loss_fn: Callable, model: PyTree, batch: PyTree) -> tuple:
+    """The losses `loss_fn` registers at `model` and `batch`."""
+    zeros = jax.tree_util.tree_map(
+        jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array)
+    )
+    return loss_tags_jvp(loss_fn)(model, batch, zeros)[0]
+
+
 def fit(
     loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]],
     model: PyTree,
@@ -481,10 +492,7 @@ def fit(
         print(la.log_marginal_likelihood())
         ```
     """
-    zeros = jax.tree_util.tree_map(
-        jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array)
-    )
-    losses, _ = loss_tags_jvp(loss_fn)(model, batch, zeros)
+    losses = _registered(loss_fn, model, batch)
     if len(losses) != 1:
         raise ValueError(
             f"`eqfisher.laplace.fit(loss_fn, ...)`: `loss_fn` registers {len(losses)} "

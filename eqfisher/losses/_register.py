@@ -69,15 +69,7 @@ def register_loss(
             f"(the model outputs), got dtype {inputs.dtype}; pass the logits or "
             "predictions, not labels."
         )
-    if inputs.ndim < 2:
-        raise ValueError(
-            f"`{caller}`: outputs need shape (*examples, outputs), got "
-            f"{inputs.shape}: a loss is registered on a batch of examples. For one "
-            "output per example (a batch of scalars), use `outputs[..., None]`; for "
-            "one example's outputs (a loss written per example, under `jax.vmap`), "
-            "register the batch's outputs instead (`jax.vmap(model)(x)`), or "
-            "`outputs[None]` and `targets[None]`."
-        )
+    _check_shape(inputs, caller)
     for name, array in (("targets", targets), ("mask", mask)):
         if array is not None and jnp.issubdtype(
             jnp.result_type(array), jnp.complexfloating
@@ -120,6 +112,33 @@ def register_loss(
     total = jnp.sum(mask * per_example, dtype=wide)
     value = (total / jnp.sum(mask, dtype=wide)).astype(inputs.dtype)
     return loss_value_tag_p.bind(value)
+
+
+def _check_shape(inputs: Array, caller: str) -> None:
+    """Refuses outputs that are not a batch of examples' outputs, or hold none: the
+    value is a mean over examples (0/0 over none), and a family's loss a function
+    of at least one output."""
+    if inputs.ndim < 2:
+        raise ValueError(
+            f"`{caller}`: outputs need shape (*examples, outputs), got "
+            f"{inputs.shape}: a loss is registered on a batch of examples. For one "
+            "output per example (a batch of scalars), use `outputs[..., None]`; for "
+            "one example's outputs (a loss written per example, under `jax.vmap`), "
+            "register the batch's outputs instead (`jax.vmap(model)(x)`), or "
+            "`outputs[None]` and `targets[None]`."
+        )
+    if 0 in inputs.shape[:-1]:
+        raise ValueError(
+            f"`{caller}`: the outputs are shaped {inputs.shape}: the batch holds no "
+            "examples, and the loss is their mean (0/0, NaN). Pass a batch of at "
+            "least one example."
+        )
+    if inputs.shape[-1] == 0:
+        raise ValueError(
+            f"`{caller}`: the outputs are shaped {inputs.shape}: each example has "
+            "no outputs (a model of 0 outputs, or 0 classes). A loss needs at least "
+            "one."
+        )
 
 
 def _one_array(value: Any, name: str, caller: str) -> Array:
