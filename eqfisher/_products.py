@@ -14,7 +14,13 @@ from jaxtyping import Array, Float, PyTree
 from . import _compat
 from ._curvature import leaf_shapes
 from ._stop_hessian import stop_hessian as stop_hessian
-from ._tracer import RegisteredLoss, StagedLoss, calls_custom_vjp, split
+from ._tracer import (
+    RegisteredLoss,
+    StagedLoss,
+    calls_custom_vjp,
+    refuse_complex,
+    split,
+)
 from .blocks._base import register_unstructured
 
 
@@ -80,6 +86,7 @@ class MatrixFreeOperator(lx.AbstractLinearOperator):
                 "call the operator under `jax.jit`, which inserts the reductions "
                 "(docs/scale.md)."
             )
+        refuse_complex(self.caller, model)
         self.check(loss_fn, model, batch)
         params, rest = eqx.partition(model, eqx.is_inexact_array)
         self.params = params

@@ -41,6 +41,7 @@ from .capture import (
     Split as Split,
     StagedLoss as StagedLoss,
     calls_custom_vjp as calls_custom_vjp,
+    refuse_complex as refuse_complex,
     split as split,
     stage_loss as stage_loss,
 )

@@ -340,6 +340,7 @@ def stage_loss(
     is only run, such as the per-example pass's: a scanned model's detection costs
     a record per step).
     """
+    refuse_complex(caller, jax.tree_util.tree_unflatten(s.params_def, s.params))
     n_p, n_o = len(s.params), len(s.others)
     out_trees = []
 
@@ -450,6 +451,26 @@ def refuse_shard_map(caller: str, leaves: Sequence[Any]) -> None:
             "own share's curvature, which you average with `jax.lax.pmean`), or "
             "shard the batch with `jax.device_put` and call eqfisher under "
             "`jax.jit` (docs/scale.md)."
+        )
+
+
+def refuse_complex(caller: str, params: PyTree) -> None:
+    """Refuses complex parameters: a curvature is over real coordinates, where a
+    complex leaf is two (its real and imaginary parts), and a matrix over the
+    complex leaves themselves is another one (neither Hermitian nor that)."""
+    paths = [
+        jax.tree_util.keystr(path)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+        if eqx.is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.complexfloating)
+    ]
+    if paths:
+        raise TypeError(
+            f"`{caller}`: the model has complex parameters (at {', '.join(paths)}); "
+            "curvature is defined over real parameters, and a complex one is two "
+            "real ones. Store its real and imaginary parts as two real leaves and "
+            "build the complex array inside the model (`w_re + 1j * w_im`); or, "
+            "to hold it fixed, close over it in `loss_fn` rather than pass it in "
+            "the model."
         )
 
 
