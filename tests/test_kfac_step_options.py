@@ -410,3 +410,46 @@ def test_adaptive_kfac_with_a_surrogate_is_refused():
     step = _step(_policy_gradient_loss, opt, surrogate=True)
     with pytest.raises(ValueError, match="surrogate=True.*kfac_adaptive"):
         step(model, opt.init(_params(model)), batch)
+
+
+@jax.tree_util.register_pytree_node_class
+class _Weights:
+    """Parameters in a class registered with `jax.tree_util`, without `__eq__`."""
+
+    def __init__(self, w1, w2):
+        self.w1, self.w2 = w1, w2
+
+    def tree_flatten(self):
+        return (self.w1, self.w2), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        del aux
+        return cls(*children)
+
+
+def test_parameters_in_a_registered_class_without_eq_train():
+    # The curvature's static operand structure held the class's instances, which
+    # compare by identity: two curvatures of one model had other tree structures,
+    # and `kfac_step` refused its own curvature at the first step.
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    model = _Weights(jax.random.normal(k1, (3, 4)), jax.random.normal(k2, (4, 2)))
+    batch = (jax.random.normal(k3, (8, 3)), jnp.zeros((8, 2)))
+
+    def weights_loss(m, b):
+        return ef.squared_error(jnp.tanh(b[0] @ m.w1) @ m.w2, b[1])
+
+    kw = dict(estimator=ef.GGN(), structure=ef.KFAC())
+    vgc = ef.value_grad_and_curvature(weights_loss, **kw)
+    like = optim.curvature_like(vgc, model, batch)
+    assert jax.tree_util.tree_structure(like) == jax.tree_util.tree_structure(
+        vgc(model, batch)[2]
+    )
+    opt = optim.kfac(0.1, like=like)
+    state = opt.init(model)
+    step = optim.kfac_step(weights_loss, opt, **kw)
+    losses = []
+    for _ in range(3):
+        model, state, loss = step(model, state, batch)
+        losses.append(float(loss))
+    assert losses[2] < losses[0]

@@ -26,6 +26,26 @@ def _cast_like(fn: Callable, block, parts: tuple) -> tuple:
     )
 
 
+class _ByValue:
+    """A PyTree of `jax.ShapeDtypeStruct`s that compares (and hashes) by its tree
+    definition and leaves: a static field holding the parameters' own containers
+    compared them with `==`, which a container class without `__eq__` answers by
+    identity (so two curvatures of one model had other tree structures)."""
+
+    __slots__ = ("key", "tree")
+
+    def __init__(self, tree: PyTree):
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        self.tree = tree
+        self.key = (treedef, tuple((x.shape, np.dtype(x.dtype)) for x in leaves))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ByValue) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+
 class Curvature(lx.AbstractLinearOperator):
     """The curvature of a model: typed blocks over its parameter PyTree.
 
@@ -79,7 +99,7 @@ class Curvature(lx.AbstractLinearOperator):
 
     stored: dict[str, AbstractBlock]
     leaf_indices: tuple[tuple[str, tuple[int, ...]], ...] = eqx.field(static=True)
-    structure: PyTree = eqx.field(static=True)
+    _operand: _ByValue = eqx.field(static=True)
     leaf_slices: tuple[tuple[tuple[int, ...], ...], ...] | None = eqx.field(
         static=True, default=None
     )
@@ -98,7 +118,7 @@ class Curvature(lx.AbstractLinearOperator):
         and shape) are stored as one block whose arrays have a leading step axis:
         `blocks` gives them back one by one."""
         self.leaf_indices = leaf_indices
-        self.structure = structure
+        self._operand = _ByValue(structure)
         self.leaf_slices = leaf_slices
         self.runs = _runs(blocks, leaf_indices, leaf_slices)
         in_runs = {name for run in self.runs for name in run[1:]}
@@ -108,6 +128,11 @@ class Curvature(lx.AbstractLinearOperator):
                 lambda *xs: _stack(xs), *(blocks[n] for n in run)
             )
         self.stored = stored
+
+    @property
+    def structure(self) -> PyTree:
+        """The operand as a PyTree of `jax.ShapeDtypeStruct` (see above)."""
+        return self._operand.tree
 
     @property
     def blocks(self) -> dict[str, AbstractBlock]:
