@@ -119,8 +119,13 @@ class OneExample:
         for x, a, y in zip(full_inputs, self.loss_axes, alone):
             x = jnp.moveaxis(x, a, 0)
             eps = max(float(jnp.finfo(d).eps) for d in floats + [x.dtype])
-            tol = jnp.sqrt(jnp.asarray(eps, x.dtype)) * (1 + jnp.max(jnp.abs(x)))
-            out = out | (jnp.max(jnp.abs(x - y)) > tol)
+            finite = jnp.isfinite(x)
+            scale = jnp.max(jnp.where(finite, jnp.abs(x), 0))
+            tol = jnp.sqrt(jnp.asarray(eps, x.dtype)) * (1 + scale)
+            # Written so that NaN alone differs (a batch statistic of one example,
+            # a standard deviation of 0 divided into 0), where the batch's output
+            # is finite.
+            out = out | jnp.any(finite & ~(jnp.abs(x - y) <= tol))
         return out
 
 
@@ -201,7 +206,9 @@ def one_example(
             f"for the batch and {[tuple(sh) for sh in one_shapes]} for one example. "
             "Say where the example axis is with "
             "`examples=eqfisher.IndependentExamples(axis=...)`, or pass "
-            "`examples=eqfisher.InteractingExamples()`."
+            "`examples=eqfisher.InteractingExamples()`. (A loss registered once "
+            "per example inside `lax.map` or `lax.scan` has no example axis: "
+            "register it under `jax.vmap`, or on the batch's outputs.)"
         )
     return OneExample(s, axes, n, processed, [a for a in loss_axes if a is not None])
 
