@@ -128,3 +128,46 @@ def test_optimiser_must_be_a_transformation(unchecked):
             structure=ef.KFAC(),
             optimiser=lambda p: p,
         )
+
+
+class _Embedder(eqx.Module):
+    table: jax.Array
+    head: eqx.nn.Linear
+
+    def __init__(self, vocabulary, key):
+        k1, k2 = jax.random.split(key)
+        self.table = jax.random.normal(k1, (vocabulary, 2), jnp.float64)
+        self.head = eqx.nn.Linear(2, 3, dtype=jnp.float64, key=k2)
+
+    def __call__(self, token):
+        return self.head(jnp.tanh(self.table[token]))
+
+
+def _embedding_loss(model, batch):
+    tokens, targets = batch
+    return ef.squared_error(jax.vmap(model)(tokens), targets)
+
+
+def test_blocks_larger_than_memory_are_refused_before_allocating():
+    # A vocabulary of two million: K-FAC's input factor alone is 32 TB, which XLA
+    # tried to allocate (RESOURCE_EXHAUSTED; Dense's message named K-FAC as the
+    # way out).
+    model = _Embedder(2_000_000, jax.random.key(0))
+    batch = (jnp.array([3, 1_999_999, 3, 17]), jnp.zeros((4, 3)))
+    kw = dict(estimator=ef.GGN())
+    for structure in (ef.KFAC(), ef.EKFAC(), ef.BlockDiagonal()):
+        with pytest.raises(
+            ValueError, match=r"blocks would take .*`table`.*max_factor_dim"
+        ):
+            ef.curvature(_embedding_loss, model, batch, structure=structure, **kw)
+    vgc = ef.value_grad_and_curvature(_embedding_loss, structure=ef.KFAC(), **kw)
+    with pytest.raises(ValueError, match="blocks would take"):
+        ef.optim.curvature_like(vgc, model, batch)
+    # `memory_estimate` measures it all the same; the fixes the message names work.
+    estimate = ef.memory_estimate(
+        _embedding_loss, model, batch, structure=ef.KFAC(), **kw
+    )
+    assert estimate.curvature >= (2_000_000**2) * 8
+    for structure in (ef.KFAC(max_factor_dim=4096), ef.Diagonal()):
+        curv = ef.curvature(_embedding_loss, model, batch, structure=structure, **kw)
+        assert curv.diagonal().table.shape == (2_000_000, 2)

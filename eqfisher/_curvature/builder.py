@@ -26,6 +26,7 @@ from ..blocks import AbstractBlock
 from . import statistics as stats
 from .estimators import AbstractEstimator, loss_vectors, stacked_vectors
 from .examples import AbstractExamples, IndependentExamples
+from .fits import check_fits
 from .main_pass import Linearised, MainPass, MainPassRows
 from .operator import Curvature, step_runs
 from .outer_rows import formed_rows, outer_factors
@@ -213,6 +214,7 @@ class Builder(eqx.Module):
         blocks = self._blocks(grouping, needs, forward.processed, statistics)
         params = eqx.filter(forward.model, eqx.is_inexact_array)
         curv = _assemble(params, blocks, grouping, forward.processed, forward.selected)
+        check_fits(self.caller, curv)
         return _refused_derivatives(self.caller, curv), main
 
     def _main_pass(self, forward: Linearised, key) -> MainPass:

@@ -14,6 +14,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from .estimators import AbstractEstimator
 from .examples import AbstractExamples
+from .fits import measuring
 from .functions import curvature
 from .operator import Curvature
 from .structures import AbstractStructure
@@ -226,14 +227,15 @@ def memory_estimate(
 def _curvature_shapes(loss_fn, model, batch, *, examples, **kwargs) -> Curvature:
     """`eqfisher.curvature(...)` traced with `jax.eval_shape`: its blocks hold
     `jax.ShapeDtypeStruct`s."""
-    curv = _eval_shape(
-        curvature,
-        loss_fn,
-        model,
-        batch,
-        **kwargs,
-        **({} if examples is None else {"examples": examples}),
-    )
+    with measuring():
+        curv = _eval_shape(
+            curvature,
+            loss_fn,
+            model,
+            batch,
+            **kwargs,
+            **({} if examples is None else {"examples": examples}),
+        )
     if not isinstance(curv, Curvature):  # pragma: no cover - curvature's contract
         raise TypeError(f"expected a `Curvature`, got {type(curv).__name__}")
     return curv

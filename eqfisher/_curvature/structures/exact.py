@@ -40,7 +40,8 @@ class Dense(AbstractStructure):
                 f"`eqfisher.Dense()`: the dense matrix over "
                 f"{sum(sizes):,} parameters would take {gib:.3g} GiB, above "
                 f"`max_gib` = {self.max_gib}. Use structure=eqfisher.KFAC(), "
-                "BlockDiagonal() or Diagonal(), select fewer parameters with "
+                "BlockDiagonal() or Diagonal() (`eqfisher.memory_estimate` gives "
+                "their sizes without computing them), select fewer parameters with "
                 "`where=`, use the matrix-free eqfisher.ggn_operator, or raise the "
                 "limit with eqfisher.Dense(max_gib=...)."
             )
