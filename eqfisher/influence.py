@@ -251,7 +251,9 @@ class ConjugateGradient(AbstractInverse):
         # atol is taken relative to the largest component of b.
         scale = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in leaves])) * inv
         # `lineax.CG.atol` is annotated `float` but is a dynamic field: an array works.
-        atol = self.atol * scale
+        # A tolerance needs no derivative, and lineax refuses a solver that has one
+        # ("Unexpected tangent"): `jax.grad` in the damping or the query failed.
+        atol = self.atol * jax.lax.stop_gradient(scale)
         solver = lx.CG(rtol=self.rtol, atol=atol, max_steps=self.max_steps)  # pyright: ignore[reportArgumentType]
         solution = lx.linear_solve(damped, b, solver, throw=False)
         # Not converged in `max_steps`: refused, not returned as if solved (3

@@ -157,6 +157,40 @@ def test_conjugate_gradient_in_float32():
     np.testing.assert_allclose(got, expected, atol=1e-3 * np.abs(expected).max())
 
 
+def test_conjugate_gradient_differentiates_in_the_damping_and_the_query():
+    # Its tolerance scales with the right-hand side and the damping: their
+    # tangents reached lineax's solver, which refused ("Unexpected tangent").
+    model, train, query = setup()
+    op = ef.ggn_operator(loss_fn, model, train)
+    ggn, g_t, g_q = references()
+    eye = np.eye(ggn.shape[0])
+
+    def summed(damping):
+        inverse = inf.ConjugateGradient(op, damping, rtol=1e-12, atol=1e-12)
+        return jnp.sum(inf.influence_scores(loss_fn, model, train, query, inverse))
+
+    # d/dλ of Σ g_q (C + λI)⁻¹ g_tᵀ is -Σ g_q (C + λI)⁻² g_tᵀ.
+    solved = np.linalg.solve(ggn + DAMPING * eye, g_t.T)
+    expected = -np.sum(g_q @ np.linalg.solve(ggn + DAMPING * eye, solved))
+    np.testing.assert_allclose(jax.grad(summed)(DAMPING), expected, rtol=1e-8)
+    inverse = inf.ConjugateGradient(op, DAMPING, rtol=1e-12, atol=1e-12)
+    by_query = jax.grad(
+        lambda x: jnp.sum(
+            inf.influence_scores(loss_fn, model, train, (x, query[1]), inverse)
+        )
+    )(query[0])
+    exact = inf.CurvatureInverse(
+        ef.curvature(loss_fn, model, train, estimator=ef.GGN(), structure=ef.Dense()),
+        DAMPING,
+    )
+    expected_by_query = jax.grad(
+        lambda x: jnp.sum(
+            inf.influence_scores(loss_fn, model, train, (x, query[1]), exact)
+        )
+    )(query[0])
+    np.testing.assert_allclose(by_query, expected_by_query, rtol=1e-8, atol=1e-12)
+
+
 def test_conjugate_gradient_that_does_not_converge_is_refused():
     # With `throw=False` the last iterate came back as if solved: 3 steps gave
     # scores 8% off, silently.
