@@ -1068,3 +1068,55 @@ def test_swapped_arguments_are_named():
     state = opt.init(_params(model))
     with pytest.raises(ValueError, match=r"`model` and `opt_state` swapped\?"):
         step(state, model, batch)
+
+
+def test_complex_parameters_are_refused_naming_them():
+    # A complex leaf gave a complex matrix over the complex leaves (neither
+    # Hermitian nor the curvature over real and imaginary parts), tagged
+    # positive-semidefinite, whose own `solve` refused the model's gradients.
+    lin = eqx.nn.Linear(D_IN, CLASSES, dtype=jnp.complex128, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (N, D_IN), F64).astype(jnp.complex128)
+
+    def real_loss(m, batch):
+        x, y = batch
+        return ef.softmax_cross_entropy(jnp.real(jax.vmap(m)(x)), y)
+
+    batch = (x, jnp.arange(N) % CLASSES)
+    message = r"complex parameters \(at \.weight, \.bias\).*two real leaves"
+    for structure in (ef.Dense(), ef.KFAC()):
+        with pytest.raises(TypeError, match=message):
+            ef.curvature(real_loss, lin, batch, estimator=ef.GGN(), structure=structure)
+    for build in (ef.ggn_operator, ef.empirical_fisher_operator, ef.hessian_operator):
+        with pytest.raises(TypeError, match=message):
+            build(real_loss, lin, batch)
+    # Closed over rather than passed, the complex weight is held fixed: accepted.
+    shift = eqx.nn.Linear(D_IN, CLASSES, dtype=F64, key=jax.random.key(2))
+
+    def fixed(m, batch):
+        x, y = batch
+        return ef.softmax_cross_entropy(
+            jnp.real(jax.vmap(lin)(x)) + jax.vmap(m)(jnp.real(x)), y
+        )
+
+    curv = ef.curvature(fixed, shift, batch, estimator=ef.GGN(), structure=ef.Dense())
+    assert curv.as_matrix().dtype == F64
+
+
+def test_a_loss_registered_inside_lax_map_is_told_to_use_vmap():
+    # The message suggested `IndependentExamples(axis=...)`, which cannot help: each
+    # registration holds one example's sequence, with no example axis.
+    mlp = eqx.nn.MLP(D_IN, CLASSES, 4, 1, dtype=F64, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (N, 3, D_IN), F64)
+    y = jnp.arange(N * 3).reshape(N, 3) % CLASSES
+
+    def per_sequence(m, b):
+        logits = jax.vmap(jax.vmap(m))(b[0])
+        per = jax.lax.map(
+            lambda a: ef.softmax_cross_entropy(a[0], a[1]), (logits, b[1])
+        )
+        return jnp.mean(per)
+
+    with pytest.raises(ValueError, match=r"inside `lax.map`.*under `jax.vmap`"):
+        ef.curvature(
+            per_sequence, mlp, (x, y), estimator=ef.GGN(), structure=ef.Dense()
+        )

@@ -91,7 +91,11 @@ class AbstractLossFamily(eqx.Module):
     ) -> Float[Array, "*leading out k"]:
         r"""A factor $S$ with $S S^\top = H$, the per-example Hessian of the loss.
 
-        $H$ is the Hessian with respect to `inputs`.
+        $H$ is the Hessian with respect to `inputs`. It must not depend on the
+        targets (this method does not see them). For a likelihood whose Hessian
+        does (a learned variance), return a factor of its expectation over the
+        family's own targets, the Fisher: `GGN()` is then the Fisher
+        (docs/losses.md, "Loss families").
         """
 
     @abc.abstractmethod
