@@ -89,7 +89,10 @@ def compute(model, batch) -> dict[str, np.ndarray]:
 
     like = ef.optim.curvature_like(vgc, model, batch, key=key)
     opt = ef.optim.kfac(0.1, like=like, inverse_every=2)
-    state = eqx.filter_jit(opt.init)(eqx.filter(model, eqx.is_inexact_array))
+    # Compiled, its state replicated as the parameters are (docs/scale.md).
+    params = eqx.filter(model, eqx.is_inexact_array)
+    replicated = jax.tree_util.tree_leaves(params)[0].sharding
+    state = jax.jit(opt.init, out_shardings=replicated)(params)
     step = ef.optim.kfac_step(loss_fn, opt, estimator=estimator, structure=structure)
     losses = []
     for i in range(STEPS):

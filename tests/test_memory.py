@@ -168,6 +168,9 @@ def test_blocks_larger_than_memory_are_refused_before_allocating():
         _embedding_loss, model, batch, structure=ef.KFAC(), **kw
     )
     assert estimate.curvature >= (2_000_000**2) * 8
+    # ... without leaving its trace for a later call to reuse unchecked.
+    with pytest.raises(ValueError, match="blocks would take"):
+        ef.curvature(_embedding_loss, model, batch, structure=ef.KFAC(), **kw)
     for structure in (ef.KFAC(max_factor_dim=4096), ef.Diagonal()):
         curv = ef.curvature(_embedding_loss, model, batch, structure=structure, **kw)
         assert curv.diagonal().table.shape == (2_000_000, 2)

@@ -124,6 +124,24 @@ def test_init_replicates_the_state_over_the_parameters_mesh(setup, make):
     assert {len(x.sharding.device_set) for x in jax.tree_util.tree_leaves(one)} == {1}
 
 
+def test_init_puts_the_state_on_the_parameters_other_device(setup):
+    # Parameters on one device other than the default: the state was made on the
+    # default device, and the step compiled again at its second call.
+    (model, batch), _ = setup
+    device = jax.devices()[1]
+    arrays, static = eqx.partition(model, eqx.is_array)
+    model = eqx.combine(jax.device_put(arrays, device), static)
+    batch = jax.device_put(batch, device)
+    vgc = ef.value_grad_and_curvature(loss_fn, estimator=ef.GGN(), structure=ef.KFAC())
+    opt = ef.optim.kfac(0.05, like=ef.optim.curvature_like(vgc, model, batch))
+    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    for x in jax.tree_util.tree_leaves(state):
+        assert x.sharding.device_set == {device}
+    step = ef.optim.kfac_step(loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC())
+    model, state, _ = step(model, state, batch)
+    assert compiled_during(lambda: step(model, state, batch)) == []
+
+
 def test_kfac_step_on_replicated_parameters_compiles_once(setup):
     (model, batch), (s_model, s_batch) = setup
     vgc = ef.value_grad_and_curvature(loss_fn, estimator=ef.GGN(), structure=ef.KFAC())

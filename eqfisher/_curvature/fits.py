@@ -27,6 +27,11 @@ def measuring() -> Iterator[None]:
         _MEASURING.reset(token)
 
 
+def measuring_now() -> bool:
+    """Whether inside `measuring`."""
+    return _MEASURING.get()
+
+
 def _available() -> tuple[int, str] | None:
     """The bytes of this process's devices together, and what they are: each
     device's `bytes_limit` where its platform reports one (GPUs, TPUs), else the
@@ -55,7 +60,7 @@ def _gib(n: int) -> str:
 def check_fits(caller: str, curv: Curvature) -> None:
     """Refuses `curv` (traced: its arrays' shapes) when its blocks alone take more
     memory than the devices have, naming the largest and the fixes."""
-    if _MEASURING.get():
+    if measuring_now():
         return
     available = _available()
     if available is None:

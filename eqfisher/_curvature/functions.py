@@ -16,6 +16,7 @@ from ..filters import AbstractFilter
 from .builder import Builder, check_args
 from .estimators import AbstractEstimator
 from .examples import AbstractExamples, IndependentExamples
+from .fits import measuring_now
 from .operator import Curvature
 from .structures import AbstractStructure
 
@@ -94,6 +95,7 @@ def curvature(
         where,
         examples,
         current_config(),
+        measuring_now(),
     )
 
 
@@ -101,11 +103,22 @@ def curvature(
 # by op. Inside an outer `jit` this is an ordinary nested call.
 @eqx.filter_jit
 def _curvature_jit(
-    loss_fn, model, batch, estimator, structure, key, where, examples, config: Config
+    loss_fn,
+    model,
+    batch,
+    estimator,
+    structure,
+    key,
+    where,
+    examples,
+    config: Config,
+    measuring: bool,
 ):
     # `config` is a static argument: a changed setting (`eqfisher.configure`)
-    # compiles anew instead of reusing a program traced under another.
-    del config
+    # compiles anew instead of reusing a program traced under another. So is
+    # `measuring` (`memory_estimate`'s trace, which lets every size through): a
+    # later call traces anew, and its blocks' size is checked.
+    del config, measuring
     caller = "eqfisher.curvature"
     builder = Builder(
         StagedLoss(loss_fn, caller), estimator, structure, where, caller, examples

@@ -362,11 +362,12 @@ def branch(pred: Any, true_fun: Callable, false_fun: Callable, *operands: Any) -
     return true_fun(*operands) if bool(pred) else false_fun(*operands)
 
 
-def _replicated_over(params: PyTree) -> jax.sharding.NamedSharding | None:
-    """Replication over the mesh of `params`, where they are concrete arrays of this
-    process placed with `NamedSharding`s of one mesh of several devices
-    (docs/scale.md's recipe); else None. (Across processes, `init` is jitted:
-    docs/scale.md.)"""
+def _placement(params: PyTree) -> jax.sharding.Sharding | None:
+    """Where `init` puts the state: replicated over the mesh of `params`, where they
+    are concrete arrays of this process placed with `NamedSharding`s of one mesh of
+    several devices (docs/scale.md's recipe); on their device, where they are all
+    on one device other than the default one; else None (the default device).
+    (Across processes, `init` is jitted: docs/scale.md.)"""
     leaves = jax.tree_util.tree_leaves(params)
     if not leaves or not all(
         isinstance(x, jax.Array)
@@ -375,11 +376,17 @@ def _replicated_over(params: PyTree) -> jax.sharding.NamedSharding | None:
         for x in leaves
     ):
         return None
-    shardings = [getattr(x, "sharding", None) for x in leaves]
-    if not all(isinstance(s, jax.sharding.NamedSharding) for s in shardings):
-        return None
-    meshes = {s.mesh for s in shardings}  # pyright: ignore[reportOptionalMemberAccess]
-    if len(meshes) != 1 or next(iter(meshes)).size == 1:
+    shardings = [x.sharding for x in leaves]
+    devices = {d for s in shardings for d in s.device_set}
+    if len(devices) == 1:
+        (device,) = devices
+        if device == jax.devices()[0]:
+            return None
+        return jax.sharding.SingleDeviceSharding(device)
+    meshes = {getattr(s, "mesh", None) for s in shardings}
+    if len(meshes) != 1 or not all(
+        isinstance(s, jax.sharding.NamedSharding) for s in shardings
+    ):
         return None
     return jax.sharding.NamedSharding(meshes.pop(), jax.sharding.PartitionSpec())
 
@@ -387,14 +394,14 @@ def _replicated_over(params: PyTree) -> jax.sharding.NamedSharding | None:
 def placed(
     inner: optax.GradientTransformationExtraArgs,
 ) -> optax.GradientTransformationExtraArgs:
-    """`inner`, its `init` replicating over the parameters' mesh every state array
-    left elsewhere (optax's counters, say, and K-FAC's zeros are made on the
-    default device): a jitted step then finds its state where its first call
-    leaves it, and does not compile again at its second call."""
+    """`inner`, its `init` putting every state array left elsewhere where the
+    parameters are (`_placement`: optax's counters, say, and K-FAC's zeros are made
+    on the default device): a jitted step then finds its state where its first
+    call leaves it, and does not compile again at its second call."""
 
     def init(params):
         state = inner.init(params)
-        target = _replicated_over(params)
+        target = _placement(params)
         if target is None:
             return state
         devices = target.device_set
