@@ -383,10 +383,9 @@ def _placement(params: PyTree) -> jax.sharding.Sharding | None:
         if device == jax.devices()[0]:
             return None
         return jax.sharding.SingleDeviceSharding(device)
-    meshes = {getattr(s, "mesh", None) for s in shardings}
-    if len(meshes) != 1 or not all(
-        isinstance(s, jax.sharding.NamedSharding) for s in shardings
-    ):
+    named = [s for s in shardings if isinstance(s, jax.sharding.NamedSharding)]
+    meshes = {s.mesh for s in named}
+    if len(named) != len(shardings) or len(meshes) != 1:
         return None
     return jax.sharding.NamedSharding(meshes.pop(), jax.sharding.PartitionSpec())
 
