@@ -1120,3 +1120,29 @@ def test_a_loss_registered_inside_lax_map_is_told_to_use_vmap():
         ef.curvature(
             per_sequence, mlp, (x, y), estimator=ef.GGN(), structure=ef.Dense()
         )
+
+
+def test_a_vector_of_other_leaves_of_the_same_shapes_is_refused():
+    # Only the leaves' shapes were compared: another layer's gradient of the same
+    # shapes (selected by another `where`), or a list of the leaves, was taken, and
+    # layer 1's block applied to layer 2's gradient.
+    model = eqx.nn.MLP(D_IN, CLASSES, 4, 2, dtype=F64, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (N, D_IN), F64)
+    batch = (x, jnp.arange(N) % CLASSES)
+    first, second = ef.filters.by_path("layers[1].*"), ef.filters.by_path("layers[2].*")
+    curv = ef.curvature(
+        loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC(), where=first
+    )
+    grads = eqx.filter_grad(loss_fn)(model, batch)
+    mine = ef.filters.partition(grads, first)[0]
+    other = ef.filters.partition(grads, second)[0]
+    with pytest.raises(ValueError, match=r"a leaf at \.layers\[2\]\.weight where"):
+        curv.solve(other, 0.1)
+    with pytest.raises(ValueError, match=r"a leaf at \[0\] where"):
+        curv.mv(jax.tree_util.tree_leaves(mine))
+    flat = jax.flatten_util.ravel_pytree(mine)[0]
+    np.testing.assert_allclose(
+        jax.flatten_util.ravel_pytree(curv.mv(mine))[0],
+        curv.as_matrix() @ flat,
+        rtol=1e-12,
+    )

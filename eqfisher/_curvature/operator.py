@@ -156,8 +156,29 @@ class Curvature(lx.AbstractLinearOperator):
         # Leaves are matched by position and shape rather than by tree structure, so
         # that a vector whose unselected leaves are `None` or `optax.MaskedNode()`
         # (inside `optax.masked`) is accepted alike.
-        leaves, treedef = jax.tree_util.tree_flatten(vector)
+        paths, treedef = jax.tree_util.tree_flatten_with_path(vector)
+        leaves = [x for _, x in paths]
         shapes = [s.shape for s in jax.tree_util.tree_leaves(self.structure)]
+        if leaf_shapes(leaves) == shapes:
+            # The same shapes at other places (another layer of the same shapes,
+            # selected by another `where`; a list of the leaves) would be taken
+            # for the parameters': the leaves' paths must be theirs too.
+            want = [
+                p for p, _ in jax.tree_util.tree_flatten_with_path(self.structure)[0]
+            ]
+            moved = [
+                (jax.tree_util.keystr(p), jax.tree_util.keystr(q))
+                for (p, _), q in zip(paths, want)
+                if p != q
+            ]
+            if moved:
+                raise ValueError(
+                    f"`Curvature.{method}(vector)`: `vector` must have the structure "
+                    "of the parameters the curvature covers (eqx.filter(model, "
+                    "eqx.is_inexact_array), restricted by `where`: "
+                    "`eqfisher.filters.partition(grads, where)[0]`); it has a leaf "
+                    f"at {moved[0][0]} where the curvature covers {moved[0][1]}."
+                )
         if leaf_shapes(leaves) != shapes:
             raise ValueError(
                 f"`Curvature.{method}(vector)`: `vector` must have the structure of "
@@ -204,7 +225,9 @@ class Curvature(lx.AbstractLinearOperator):
 
     def mv(self, vector: PyTree) -> PyTree:
         """The product $C v$, for `vector` shaped like the parameters (a PyTree like
-        `eqx.filter(model, eqx.is_inexact_array)`, restricted by `where`).
+        `eqx.filter(model, eqx.is_inexact_array)`, restricted by `where`). Like
+        `solve`, it returns each leaf in `vector`'s dtype (a block may compute in
+        wider precision: a bfloat16 model's statistics are float32).
 
         **Raises:**
 

@@ -21,7 +21,8 @@ class AbstractBlock(lx.AbstractLinearOperator):
     """The curvature matrix B (symmetric positive semidefinite) of one layer.
 
     A block is a `lineax.AbstractLinearOperator` whose operand is a tuple of
-    arrays: the layer's parameter leaves in model order, e.g. `(weight, bias)`.
+    arrays: the layer's parameter leaves, e.g. `(weight, bias)` (a detected
+    layer's weight first; `Curvature.leaf_indices` gives their positions).
     Dense matrices (`as_matrix`) order coordinates as
     `jax.flatten_util.ravel_pytree` of that tuple: leaf 0 ravelled row-major, then
     leaf 1, and so on.
