@@ -191,7 +191,7 @@ PARAMS_READ: dict[str, frozenset[str]] = {
     "dynamic_slice": frozenset({"slice_sizes"}),
     "pad": frozenset({"padding_config"}),
     "conv_general_dilated": _CONV,
-    "gather": frozenset({"dimension_numbers", "slice_sizes"}),
+    "gather": frozenset({"dimension_numbers", "slice_sizes", "mode"}),
     "split": frozenset({"axis"}),
     "concatenate": frozenset({"dimension"}),
     "stack": frozenset({"axis"}),  # a primitive from jax 0.10 on

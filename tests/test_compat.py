@@ -211,6 +211,12 @@ PINS = {
             and _compat.gather_batching_dims(v) == ((), ())
         ),
     ),
+    # `table[ids]` clamps an id outside the table; `jnp.take` fills (drops) it.
+    ("gather", "mode"): (
+        lambda t, i: t[i],
+        (jnp.zeros((7, 4)), jnp.zeros((3,), int)),
+        lambda v, e: v != jax.lax.GatherScatterMode.FILL_OR_DROP,
+    ),
     ("gather", "slice_sizes"): (
         lambda t, i: t[i],
         (jnp.zeros((7, 4)), jnp.zeros((3,), int)),

@@ -1146,3 +1146,38 @@ def test_a_vector_of_other_leaves_of_the_same_shapes_is_refused():
         curv.as_matrix() @ flat,
         rtol=1e-12,
     )
+
+
+@pytest.mark.parametrize("mode", ["embedding", "index", "clip", "fill"])
+def test_an_embedding_id_outside_the_table_counts_the_row_read(mode):
+    # `eqx.nn.Embedding` (and `jnp.take(mode="clip")`) reads row 5 for id 7 of a
+    # 6-row table, and its derivative lands there: K-FAC's input factor dropped
+    # the id, its block 0 where the exact one is not (one example at one location,
+    # where K-FAC is exact). `table[ids]` clamps in value but XLA's scatter, the
+    # derivative, skips the id, as `mode="fill"` does: no count, both 0.
+    table = jax.random.normal(jax.random.key(0), (6, 4), F64)
+    head = eqx.nn.Linear(4, CLASSES, dtype=F64, key=jax.random.key(1))
+    read = {
+        "index": lambda t, i: t[i],
+        "embedding": lambda t, i: jax.vmap(eqx.nn.Embedding(weight=t))(i),
+        "clip": lambda t, i: jnp.take(t, i, axis=0, mode="clip"),
+        "fill": lambda t, i: jnp.take(t, i, axis=0, mode="fill", fill_value=0.0),
+    }[mode]
+
+    def embedding_loss(params, batch):
+        t, h = params
+        return ef.softmax_cross_entropy(
+            jax.vmap(h)(jnp.tanh(read(t, batch[0]))), batch[1]
+        )
+
+    batch = (jnp.array([7]), jnp.array([1]))
+    kw = dict(estimator=ef.GGN())
+    kfac = ef.curvature(embedding_loss, (table, head), batch, structure=ef.KFAC(), **kw)
+    exact = ef.curvature(
+        embedding_loss, (table, head), batch, structure=ef.BlockDiagonal(), **kw
+    )
+    np.testing.assert_allclose(
+        kfac.blocks["[0]"].as_matrix(), exact.blocks["[0]"].as_matrix(), atol=1e-15
+    )
+    reached = float(jnp.max(jnp.abs(exact.blocks["[0]"].as_matrix()))) > 0
+    assert reached == (mode in ("embedding", "clip"))

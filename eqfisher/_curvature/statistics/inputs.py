@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -148,7 +149,10 @@ class _EmbeddingInputs(AbstractLayerInputs):
 
     def moments(self, record, x, reduce_examples, dtype, diagonal, with_bias):
         ids = x[..., record.in_order[0]].reshape(-1)
-        counts = jnp.zeros((record.d_in,), dtype).at[ids].add(1)
+        # The rows the derivative reaches: an id outside the table reaches the
+        # nearest row (clamped) unless the gather drops it (`EmbeddingKind.drops`).
+        mode = "drop" if cast(EmbeddingKind, record.kind).drops else "clip"
+        counts = jnp.zeros((record.d_in,), dtype).at[ids].add(1, mode=mode)
         second = counts if diagonal else jnp.diag(counts)
         if with_bias:
             second = joined(second, counts, ids.shape[0], diagonal)

@@ -11,6 +11,8 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, cast
 
+import jax
+
 from ... import _compat
 from ..analyses import axes
 from ..analyses.axes import Feature, OutputLabel, output_labels
@@ -210,9 +212,14 @@ def _embedding(node: Node, graph: Graph) -> Candidate | None:
         out_rank, (dn.offset_dims[-1],), () if row is None else (row,)
     )
     start_map = tuple(dn.start_index_map)
+    mode = _compat.param(node.eqn, "mode", None)
+    # Only a clipping gather's derivative lands on the row it read for an id
+    # outside the table: XLA's scatter (the derivative) skips such an id otherwise,
+    # even where the gather clamped it (`table[ids]`).
+    drops = mode != jax.lax.GatherScatterMode.CLIP
     return _core_candidate(
-        EmbeddingKind(), node, view, indices, labels, (start_map.index(0),), perm,
-        _shape(table)[0],
+        EmbeddingKind(drops=drops), node, view, indices, labels,
+        (start_map.index(0),), perm, _shape(table)[0],
     )  # fmt: skip
 
 

@@ -75,8 +75,15 @@ class ScaleAndShiftKind(AbstractLayerKind):
 
 class EmbeddingKind(AbstractLayerKind):
     """A gather of whole rows of a `(vocab, features)` table. A parameter added to
-    its output is another layer (a positional embedding), not its bias."""
+    its output is another layer (a positional embedding), not its bias.
 
+    `drops`: whether an id outside the table adds to no row's derivative (every
+    gather mode but `"clip"`: XLA's scatter skips the id), rather than to the
+    nearest row's (`jnp.take(mode="clip")`, and `eqx.nn.Embedding` under
+    `jax.vmap`). The input factor counts the rows the derivative reaches.
+    """
+
+    drops: bool = eqx.field(static=True, default=False)
     name = "embedding"
     takes_bias = False
     tieable = False
