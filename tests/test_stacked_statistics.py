@@ -430,6 +430,37 @@ def test_tree_at_replaces_a_stacked_block_and_names_the_views():
         )
 
 
+def test_tree_at_reaches_an_unstacked_block_beside_a_stacked_layer():
+    """`eqx.tree_at` through `blocks` of a block that is no step (the head) failed
+    when the model also had a stacked layer ("cannot reach them"); it works, and
+    the stacked layer's steps are unchanged."""
+    model, batch = _problem()
+    curv = _kfac_reduce(model, batch)
+    run = next(r for r in curv.runs if len(r) > 1)
+    steps = {name for r in curv.runs for name in r}
+    head = next(name for name in curv.blocks if name not in steps)
+    doubled = eqx.tree_at(lambda c: c.blocks[head], curv, curv.blocks[head].scale(2.0))
+    np.testing.assert_allclose(
+        doubled.blocks[head].as_matrix(), 2 * curv.blocks[head].as_matrix()
+    )
+    np.testing.assert_array_equal(
+        doubled.blocks[run[1]].as_matrix(), curv.blocks[run[1]].as_matrix()
+    )
+
+
+def test_a_stacked_block_replaced_by_one_step_is_refused():
+    """`eqx.tree_at` could put one step's block where the stacked block is stored:
+    `mv` then mapped over the factors' rows. Refused, naming the leading axis."""
+    model, batch = _problem()
+    curv = _kfac_reduce(model, batch)
+    run = next(r for r in curv.runs if len(r) > 1)
+    one = eqx.tree_at(lambda c: c.stored[run[0]], curv, curv.blocks[run[0]])
+    grads = jax.tree.map(jnp.ones_like, eqx.filter(model, eqx.is_inexact_array))
+    for method in (lambda c: c.mv(grads), lambda c: c.blocks, lambda c: c.trace()):
+        with pytest.raises(ValueError, match=rf"leading axis of {len(run)}"):
+            method(one)
+
+
 @pytest.mark.parametrize("eigh_max_dim", [0, 64], ids=["cholesky", "eigh"])
 def test_batched_pi_damped_inverse_falls_back_per_step(eigh_max_dim, monkeypatch):
     """A stack of factors inverts by Cholesky (or, small factors, by their clamped

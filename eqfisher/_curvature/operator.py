@@ -139,13 +139,38 @@ class Curvature(lx.AbstractLinearOperator):
         """A dict from block name to block (see above), in the order of
         `leaf_indices`."""
         out = dict(self.stored)
+        steps = {name for run in self.runs for name in run}
+        if _placeholders([out[run[0]] for run in self.runs]):
+            # `eqx.tree_at` calls `where` on placeholders for the leaves: the blocks
+            # not stacked are parts of the PyTree and can be replaced; a step's
+            # block is a view, and naming one gives `_StepViews`' refusal.
+            return _StepViews(
+                {n: out[n] for n, _ in self.leaf_indices if n not in steps}, steps
+            )
         for run in self.runs:
-            stacked = out.pop(run[0])
+            stacked = self._stacked(run)
+            del out[run[0]]
             for step, name in enumerate(run):
                 out[name] = jax.tree_util.tree_map(
-                    lambda x, step=step: _take(x, step), stacked
+                    lambda x, k=step: _take(x, k), stacked
                 )
         return {name: out[name] for name, _ in self.leaf_indices}
+
+    def _stacked(self, run: tuple[str, ...]) -> AbstractBlock:
+        """The stored block of the steps `run` of a stacked layer, checked to have
+        their leading step axis (`eqx.tree_at` could put one step's block there)."""
+        block = self.stored[run[0]]
+        shapes = [tuple(x.shape) for x in jax.tree_util.tree_leaves(block)]
+        if not all(s[:1] == (len(run),) for s in shapes):
+            raise ValueError(
+                f"`Curvature`: the stored block `{run[0]}` holds the {len(run)} steps "
+                f"{list(run)} of a stacked layer, so its arrays need a leading axis "
+                f"of {len(run)}; they have shapes {shapes}. To replace it with "
+                f"`eqx.tree_at(lambda c: c.stored[{run[0]!r}], curv, new)`, stack "
+                "the steps' blocks, `jax.tree.map(lambda *x: jnp.stack(x), "
+                "*steps)`, or transform them with `curv.map_blocks(fn)`."
+            )
+        return block
 
     def _parts(self):
         """`(name, positions, slices)` for each block."""
@@ -219,7 +244,7 @@ class Curvature(lx.AbstractLinearOperator):
         for run in self.runs:
             n, idx = len(run), positions[run[0]]
             parts = tuple(leaves[i][:n] for i in idx)
-            for i, x in zip(idx, jax.vmap(fn)(self.stored[run[0]], parts)):
+            for i, x in zip(idx, jax.vmap(fn)(self._stacked(run), parts)):
                 out[i] = x if leaves[i].shape[0] == n else out[i].at[:n].set(x)
         return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -563,15 +588,33 @@ def _stack(xs: tuple) -> Any:
 def _take(x: Any, step: int) -> Any:
     if isinstance(x, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
-    if not hasattr(x, "shape"):  # e.g. `eqx.tree_at`'s placeholders
-        raise TypeError(
-            "`Curvature.blocks`: a stacked layer's blocks are views of its stored "
-            "block, one step each, not parts of the PyTree, so `eqx.tree_at` cannot "
-            "reach them. Replace the stacked block, `eqx.tree_at(lambda c: "
-            "c.stored[run[0]], curv, new)` for a `run` in `curv.runs`, or transform "
-            "the steps with `curv.map_blocks(fn)`."
-        )
     return x[step]
+
+
+def _placeholders(blocks: list) -> bool:
+    """Whether `blocks` hold `eqx.tree_at`'s placeholders rather than arrays."""
+    return any(not hasattr(x, "shape") for x in jax.tree_util.tree_leaves(blocks))
+
+
+class _StepViews(dict):
+    """`Curvature.blocks` while `eqx.tree_at` looks for the nodes it replaces:
+    the blocks that are parts of the PyTree, and a refusal for a step of a
+    stacked layer, a view of its stored block."""
+
+    def __init__(self, blocks: dict, steps: set[str]):
+        super().__init__(blocks)
+        self.steps = steps
+
+    def __missing__(self, name: str):
+        if name not in self.steps:
+            raise KeyError(name)
+        raise TypeError(
+            f"`Curvature.blocks[{name!r}]`: a stacked layer's blocks are views of "
+            "its stored block, one step each, not parts of the PyTree, so "
+            "`eqx.tree_at` cannot reach them. Replace the stacked block, "
+            "`eqx.tree_at(lambda c: c.stored[run[0]], curv, new)` for a `run` in "
+            "`curv.runs`, or transform the steps with `curv.map_blocks(fn)`."
+        )
 
 
 register_psd_operator(Curvature)
