@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 import eqfisher as ef
-from eqfisher._curvature import statistics as stats
+from eqfisher._curvature.statistics import convolution as stats
 from eqfisher.internal import StagedLoss, split
 
 
@@ -96,9 +96,10 @@ def main() -> None:
     s = split(model, batch)
     processed = StagedLoss(loss_fn, "benchmark").stage(s)
     ev = processed.run(s.inputs)
-    for record in processed.layers:
-        if record.kind != "conv":
-            continue
+    convs = [record for record in processed.layers if record.kind.name == "conv"]
+    if not convs:  # a stale comparison here once measured nothing, silently
+        raise SystemExit(f"no convolution among {[r.name for r in processed.layers]}")
+    for record in convs:
         inputs = ev.read(record.inputs)
         exes, mems = {}, {}
         for name, make in (("patches", explicit), ("chunked", chunked)):

@@ -41,7 +41,11 @@ def _unwritable(out: pathlib.Path) -> str | None:
     if parent is not None and not parent.is_dir():
         return f"{parent} is not a folder"
     try:
-        Figure().savefig(io.BytesIO(), format=suffix)
+        # With text, as the plot has: an empty figure wrote PGF without LaTeX,
+        # and the real plot failed after the training.
+        figure = Figure()
+        figure.text(0.5, 0.5, "eqfisher")
+        figure.savefig(io.BytesIO(), format=suffix)
     except Exception as e:  # e.g. PGF needs LaTeX
         return f"matplotlib cannot write {out.suffix} here ({e})"
     existed = out.exists()

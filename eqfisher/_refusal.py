@@ -62,6 +62,12 @@ def check_count(value: int, name: str, caller: str, *, minimum: int = 1) -> None
         )
 
 
+def check_flag(caller: str, name: str, flag) -> None:
+    """`flag` is a bool: a string such as `"no"` would be read as `True`."""
+    if not isinstance(flag, bool):
+        raise TypeError(f"`{caller}({name}=...)`: True or False, got {flag!r}.")
+
+
 def int_hint(value) -> str:
     """Advice for a count given as a NumPy or JAX integer (a shape fixed when
     traced: it must be a Python int), or '' for anything else."""

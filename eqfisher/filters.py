@@ -182,6 +182,11 @@ def by_path(pattern: str) -> AbstractFilter:
         print(last.as_matrix().shape)  # (27, 27): an 8 → 3 layer with its bias
         ```
     """
+    if not isinstance(pattern, str):
+        raise TypeError(
+            "`eqfisher.filters.by_path(pattern)`: `pattern` must be a glob string "
+            f"such as 'layers[0].*', got {pattern!r}."
+        )
     return _ByPath(pattern)
 
 

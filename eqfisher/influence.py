@@ -179,8 +179,8 @@ class ConjugateGradient(AbstractInverse):
 
     operator: lx.AbstractLinearOperator
     damping: Float[Array, ""]
-    rtol: float = eqx.field(static=True)
-    atol: float = eqx.field(static=True)
+    rtol: float | int = eqx.field(static=True)
+    atol: float | int = eqx.field(static=True)
     max_steps: int = eqx.field(static=True)
 
     def __init__(
@@ -188,8 +188,8 @@ class ConjugateGradient(AbstractInverse):
         operator: lx.AbstractLinearOperator,
         damping: ScalarLike,
         *,
-        rtol: float = 1e-6,
-        atol: float = 1e-6,
+        rtol: float | int = 1e-6,
+        atol: float | int = 1e-6,
         max_steps: int = 1000,
     ):
         if not isinstance(operator, lx.AbstractLinearOperator):

@@ -198,3 +198,108 @@ def test_a_where_of_boolean_arrays_says_it_selects_whole_leaves(unchecked):
         ef.curvature(
             loss_fn, model, batch, estimator=ef.GGN(), structure=ef.Dense(), where=spec
         )
+
+
+def test_whole_numbers_are_taken_where_a_float_is_annotated():
+    """The annotations said `float`: under jaxtyping's checking (the test
+    suite's, or a user's import hook) an int learning rate, damping, weight decay
+    or GiB limit was a `TypeCheckError`, though the library takes it."""
+    curv = like()
+    params = _params(problem()[0])
+    pairs = [
+        (
+            optim.kfac(1, like=curv, weight_decay=0, graft=None, norm_constraint=1),
+            optim.kfac(
+                1.0, like=curv, weight_decay=0.0, graft=None, norm_constraint=1.0
+            ),
+        ),
+        (
+            optim.kfac_adaptive(like=curv, initial_damping=1),
+            optim.kfac_adaptive(like=curv, initial_damping=1.0),
+        ),
+    ]
+    for whole, real in pairs:
+        a, b = whole.init(params), real.init(params)
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(x, y)
+    assert ef.Dense(max_gib=2).max_gib == 2
+    quadrature = ef.spectral.Quadrature(
+        nodes=jnp.arange(1.0, 11.0)[None], weights=jnp.full((1, 10), 0.1)
+    )
+    grid, density = quadrature.density(kappa=3, margin=0)
+    assert grid.shape == density.shape == (1024,)
+
+
+@pytest.mark.parametrize(
+    "build, error, words",
+    [
+        (lambda: ef.IndependentExamples(axis="0"), TypeError, "example axis"),
+        (lambda: ef.InteractingExamples(axis=None), TypeError, "example axis"),
+        (lambda: ef.filters.by_path(3), TypeError, "glob string"),
+        (
+            lambda: ef.register_loss("categorical", jnp.zeros((2, 3)), jnp.zeros(2)),
+            TypeError,
+            "must be a loss family",
+        ),
+        (
+            lambda: ef.spectral.Quadrature(
+                nodes=jnp.ones((1, 10)), weights=jnp.ones((1, 9))
+            ),
+            ValueError,
+            r"\(repeats, iterations\)",
+        ),
+        (
+            lambda: ef.laplace.softmax_average(jnp.zeros((2, 3))),
+            ValueError,
+            r"\(samples, batch, classes\)",
+        ),
+        (
+            lambda: ef.blocks.DiagonalBlock((jnp.array([-1.0, 2.0, 3.0]),)),
+            ValueError,
+            "non-negative",
+        ),
+    ],
+    ids=[
+        "axis",
+        "interacting-axis",
+        "by_path",
+        "family",
+        "quadrature",
+        "average",
+        "negative-diagonal",
+    ],
+)
+def test_arguments_checked_where_they_are_given(unchecked, build, error, words):
+    """Each failed later, naming nothing (`'<' not supported between str and
+    int`, `'int' object has no attribute 'removeprefix'`, a broadcasting error),
+    or gave a silent answer (`softmax_average` of one sample averaged the inputs;
+    a negative diagonal gave NaN log-determinants)."""
+    with pytest.raises(error, match=words):
+        build()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: ef.value_grad_and_curvature(
+            loss_fn, estimator=ef.GGN(), structure=ef.KFAC(), has_aux="no"
+        ),
+        lambda: ef.value_grad_and_curvature(
+            loss_fn, estimator=ef.GGN(), structure=ef.KFAC(), surrogate=1
+        ),
+        lambda: ef.find_layers(loss_fn, *problem(), strict="no"),
+    ],
+    ids=["has_aux", "surrogate", "strict"],
+)
+def test_flags_must_be_bools(unchecked, call):
+    """`has_aux="no"` was read as True (as `kfac_step` already refused)."""
+    with pytest.raises(TypeError, match="True or False"):
+        call()
+
+
+def test_losses_exports_its_documented_names():
+    import eqfisher.losses as losses
+
+    assert "loss_tag_p" not in losses.__all__
+    assert {"Categorical", "register_loss", "squared_error"} <= set(losses.__all__)

@@ -73,10 +73,10 @@ def _rnn_logits(m, x):
     return jax.lax.scan(step, h0, x)[1]
 
 
-def _time_major():
+def _time_major(n=3):
     model = _f64(GRUClassifier(jr.key(3)))
-    x = jr.normal(jr.key(4), (4, 3, 2), jnp.float64)  # (T, N, F)
-    y = jr.randint(jr.key(5), (4, 3), 0, 4)  # (T, N)
+    x = jr.normal(jr.key(4), (4, n, 2), jnp.float64)  # (T, N, F)
+    y = jr.randint(jr.key(5), (4, n), 0, 4)  # (T, N)
 
     def loss_fn(m, b):
         return ef.softmax_cross_entropy(_rnn_logits(m, b[0]), b[1])
@@ -231,6 +231,25 @@ def test_time_major_example_axis(structure):
         examples=ef.IndependentExamples(axis=(1, 1)),
     )
     np.testing.assert_allclose(again.as_matrix(), got.as_matrix(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("structure", [ef.Dense(), ef.Diagonal()], ids=repr)
+def test_time_major_batch_of_one_example(structure):
+    """With one example the loss's shapes are the same with one example as with
+    the batch, and its example axis was taken to be the first: vmap's
+    "inconsistent sizes" for a time-major `(T, 1, F)` batch."""
+    loss_fn, model, batch, ref = _time_major(n=1)
+    got = ef.curvature(
+        loss_fn,
+        model,
+        batch,
+        estimator=ef.GGN(),
+        structure=structure,
+        examples=ef.IndependentExamples(axis=1),
+    )
+    np.testing.assert_allclose(
+        got.as_matrix(), _restrict(ref, model, structure, got), rtol=1e-9, atol=1e-12
+    )
 
 
 def test_interacting_empirical_fisher_is_exact():

@@ -39,6 +39,27 @@ def test_demo_rejects_a_plot_file_matplotlib_cannot_write_before_training(
     assert "matplotlib writes no .txt file" in capsys.readouterr().err
 
 
+def test_demo_checks_pgf_needs_latex_before_training(tmp_path, capsys, monkeypatch):
+    """PGF without LaTeX passed the check (an empty figure needs no LaTeX), and
+    the demo failed with a traceback after the training."""
+    import shutil
+
+    import matplotlib
+
+    import eqfisher._demo as demo
+
+    seen = []
+    monkeypatch.setattr(demo, "run_demo", lambda steps, path, seed: seen.append(path))
+    out = tmp_path / "plot.pgf"
+    if shutil.which(matplotlib.rcParams["pgf.texsystem"]) is None:
+        with pytest.raises(SystemExit) as info:
+            internal.main(["demo", "--out", str(out)])
+        assert info.value.code == 2 and not seen
+        assert "matplotlib cannot write .pgf here" in capsys.readouterr().err
+    else:
+        assert internal.main(["demo", "--out", str(out)]) == 0 and seen == [out]
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [

@@ -404,6 +404,51 @@ def test_adaptive_kfac_steps_as_the_hand_written_step(has_aux):
     assert float(state.steps.damping) != 1.0  # adapted from `initial_damping`
 
 
+def test_adaptive_kfac_on_a_subset_steps_as_on_the_subset_alone():
+    """`kfac_adaptive` on a `where=` subset, beside `set_to_zero` on the rest
+    (the `optax.masked` composition of docs/optim.md): its quadratic model was of
+    the whole model, and its Gram matrix of the subset's leaves crashed in
+    Equinox's closure conversion. It steps as `kfac_adaptive` on a model holding
+    only the subset (the rest closed over), the damping adapted alike."""
+    model, batch = problem()
+    where = ef.filters.by_path("layers[1].*")
+    mask = ef.filters.optax_mask(model, where)
+    rest = jax.tree.map(lambda m: not m, mask)
+    like = optim.curvature_like(_vgc(where=where), model, batch)
+    adaptive = optim.kfac_adaptive(like=like, adapt_every=2)
+    opt = optax.chain(
+        optax.masked(adaptive, mask), optax.masked(optax.set_to_zero(), rest)
+    )
+    step = _step(loss_fn, opt, where=where, curvature_update_period=1)
+    got, _, _ = _run(step, opt, model, batch, 4)
+
+    frozen = model.layers[0]
+
+    def sub_loss(head, batch):
+        return loss_fn(eqx.tree_at(lambda m: m.layers[1], model, head), batch)
+
+    sub_opt = optim.kfac_adaptive(
+        like=optim.curvature_like(
+            ef.value_grad_and_curvature(
+                sub_loss, estimator=ef.GGN(), structure=ef.KFAC()
+            ),
+            model.layers[1],
+            batch,
+        ),
+        adapt_every=2,
+    )
+    want, state, _ = _run(
+        _step(sub_loss, sub_opt, curvature_update_period=1),
+        sub_opt,
+        model.layers[1],
+        batch,
+        4,
+    )
+    assert tree_allclose(_params(got.layers[1]), _params(want), rtol=1e-10, atol=1e-12)
+    assert tree_allclose(_params(got.layers[0]), _params(frozen), rtol=0, atol=0)
+    assert float(state.steps.damping) != 1.0  # adapted from `initial_damping`
+
+
 def test_adaptive_kfac_with_a_surrogate_is_refused():
     model, batch = problem()
     opt = optim.kfac_adaptive(like=optim.curvature_like(_vgc(), model, batch))

@@ -752,3 +752,54 @@ def test_fit_refuses_a_mask_of_sum_zero_as_curvature_does():
         ef.laplace.fit(
             masked, model, batch, likelihood="classification", structure=ef.Diagonal()
         )
+
+
+class _BatchNormNet(eqx.Module):
+    l1: eqx.nn.Linear
+    bn: eqx.nn.BatchNorm
+    l2: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.l1 = eqx.nn.Linear(3, 6, key=k1, dtype=jnp.float64)
+        self.bn = eqx.nn.BatchNorm(
+            6, axis_name="batch", mode="batch", dtype=jnp.float64
+        )
+        self.l2 = eqx.nn.Linear(6, 3, key=k2, dtype=jnp.float64)
+
+    def __call__(self, x, state):
+        h, state = self.bn(self.l1(x), state, inference=False)
+        return self.l2(jnp.tanh(h)), state
+
+
+def test_fit_takes_examples_for_a_model_whose_examples_interact():
+    """The refusal for BatchNorm in training mode said to pass
+    `examples=InteractingExamples()`, which `fit` did not take. It does: the
+    posterior is the one built from `curvature(..., examples=...)`, and its
+    curvature the dense GGN through the batch statistics."""
+    model, state = eqx.nn.make_with_state(_BatchNormNet)(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (16, 3), jnp.float64)
+    y = jax.random.randint(jax.random.key(2), (16,), 0, 3)
+
+    def outputs(m, x):
+        # A fresh copy of the state at each call (Equinox refuses a reused one).
+        fresh = jax.tree.unflatten(*reversed(jax.tree.flatten(state)))
+        run = jax.vmap(lambda xi: m(xi, fresh), axis_name="batch", out_axes=(0, None))
+        return run(x)[0]
+
+    def loss_fn(m, b):
+        return ef.softmax_cross_entropy(outputs(m, b[0]), b[1])
+
+    kwargs = dict(likelihood="classification", structure=ef.Dense())
+    with pytest.raises(eqx.EquinoxRuntimeError, match="InteractingExamples"):
+        la.fit(loss_fn, model, (x, y), **kwargs)
+    post = la.fit(loss_fn, model, (x, y), examples=ef.InteractingExamples(), **kwargs)
+
+    def cross_entropy(out):
+        return -jnp.mean(
+            jnp.take_along_axis(jax.nn.log_softmax(out), y[:, None], axis=1)
+        )
+
+    ref = dense_ggn(lambda m: outputs(m, x), cross_entropy, model)
+    np.testing.assert_allclose(post.curvature.as_matrix(), ref, rtol=1e-9, atol=1e-12)
+    assert float(post.num_data) == 16

@@ -154,6 +154,42 @@ def test_a_layer_split_between_parts_is_refused():
         ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=structure)
 
 
+class _Affine(eqx.Module):
+    V: jax.Array
+    c: jax.Array
+
+    def __call__(self, x):
+        return x @ self.V + self.c
+
+
+def test_the_split_layer_refusal_suggests_a_filter_that_selects_it():
+    """A layer that is no submodule (`x @ self.V + self.c`, named `V+c`) was
+    told to select `by_path('V+c.*')`, which selects nothing. The suggested
+    filter, evaluated, selects the whole layer, and the curvature is built."""
+    model = _Affine(jr.normal(jr.key(0), (2, 3), F64), jnp.zeros(3, F64))
+    batch = (jr.normal(jr.key(1), (4, 2), F64), jnp.array([0, 1, 2, 0]))
+    parts = (by_path("V"), ef.KFAC())
+    with pytest.raises(ValueError, match="Select whole layers") as refusal:
+        ef.curvature(
+            loss_fn,
+            model,
+            batch,
+            estimator=ef.GGN(),
+            structure=ef.PerLayer(parts, default=ef.Diagonal()),
+        )
+    suggested = str(refusal.value).split("e.g. `")[1].split("`")[0]
+    where = eval(suggested, {"eqfisher": ef})  # noqa: S307 (our own message)
+    curv = ef.curvature(
+        loss_fn,
+        model,
+        batch,
+        estimator=ef.GGN(),
+        structure=ef.PerLayer((where, ef.KFAC()), default=ef.Diagonal()),
+    )
+    assert list(curv.blocks) == ["V+c"]
+    assert curv.blocks["V+c"].as_matrix().shape == (9, 9)
+
+
 def test_two_dense_parts_are_refused():
     model, batch = _problem()
     structure = ef.PerLayer(

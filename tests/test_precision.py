@@ -221,6 +221,33 @@ def test_adaptive_kfac_trains_a_bfloat16_model_under_strict_promotion():
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("structure", [ef.KFAC(), ef.Dense(), ef.Diagonal()])
+def test_float16_posterior_covariance_of_many_examples(structure):
+    """`covariance_mv` solved at δ/N and divided by N in the vector's float16:
+    N = 10⁵ gave a GLM covariance of 0 (δ = 1) or NaN (δ = 10⁻²), and `fit` on
+    4,096 examples inf. It solves (B + δ/N I)⁻¹ (v / N) in the blocks' float32."""
+    m16, (x, y) = _setup(jnp.float16)
+    m32 = _cast(m16, jnp.float32)
+    covs = []
+    for model, inputs in ((m16, x), (m32, x.astype(jnp.float32))):
+        curv = ef.curvature(
+            loss_fn, model, (inputs, y), estimator=ef.GGN(), structure=structure
+        )
+        post = ef.laplace.Laplace(
+            curv,
+            model,
+            loss=loss_fn(model, (inputs, y)),
+            num_data=100_000,
+            likelihood="classification",
+            prior_precision=1.0,
+        )
+        covs.append(ef.laplace.glm_predictive(post, inputs[:2])[1])
+    assert covs[0].dtype == jnp.float16
+    np.testing.assert_allclose(
+        covs[0].astype(jnp.float32), covs[1], rtol=2e-2, atol=1e-5
+    )
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_linearised_predictive_samples_of_a_half_precision_diagonal_posterior(dtype):
     # A `Diagonal()` posterior samples in float32: the linearised predictive gave
@@ -293,3 +320,38 @@ def test_injected_hyperparameters_keep_a_mixed_precision_models_dtypes():
     trained = eqx.filter(model, eqx.is_inexact_array)
     assert [x.dtype for x in jax.tree_util.tree_leaves(trained)] == params
     assert bool(jnp.isfinite(loss))
+
+
+@pytest.mark.parametrize("structure", [ef.KFAC(), ef.EKFAC()], ids=repr)
+def test_float32_inputs_of_a_float64_model(structure):
+    """A float64 model given float32 inputs computes its loss in float64, and
+    `Dense()` was exact; K-FAC's input factor was averaged in the inputs' float32
+    (1.2e-8 off). It is built in the factor's float64: as with float64 inputs."""
+    model = eqx.nn.MLP(
+        4, 3, 8, 1, activation=jnp.tanh, key=jax.random.key(0), dtype=jnp.float64
+    )
+    x32 = jax.random.normal(jax.random.key(1), (64, 4), jnp.float32) / 3
+    y = jax.random.randint(jax.random.key(2), (64,), 0, 3)
+    with jax.numpy_dtype_promotion("standard"):
+        a, b = (
+            ef.curvature(
+                loss_fn, model, (x, y), estimator=ef.GGN(), structure=structure
+            ).as_matrix()
+            for x in (x32, x32.astype(jnp.float64))
+        )
+    np.testing.assert_array_equal(a, b)
+
+
+def test_a_float16_injected_damping_that_rounds_to_zero_names_the_cast():
+    """`inject_hyperparams` casts to a float16 model's dtype, where 1e-8 is 0: the
+    refusal said only "got Array(0., dtype=float16)"."""
+    model, batch = _setup(jnp.float16)
+    curv = ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+    params = eqx.filter(model, eqx.is_inexact_array)
+    injected = optax.inject_hyperparams(ef.optim.kfac)
+    with pytest.raises(ValueError, match="hyperparam_dtype=jnp.float32"):
+        injected(learning_rate=1e-2, like=curv, damping=1e-8).init(params)
+    wide = optax.inject_hyperparams(ef.optim.kfac, hyperparam_dtype=jnp.float32)
+    state = wide(learning_rate=1e-2, like=curv, damping=1e-8).init(params)
+    assert state.hyperparams["damping"].dtype == jnp.float32
+    assert float(state.hyperparams["damping"]) > 0

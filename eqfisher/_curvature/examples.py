@@ -172,6 +172,9 @@ class IndependentExamples(AbstractExamples):
 
     axis: PyTree[int | None] = eqx.field(static=True, default=0)
 
+    def __check_init__(self):
+        _check_axes("IndependentExamples", self.axis)
+
     def batch_leads(self) -> bool:
         return isinstance(self.axis, int) and self.axis == 0
 
@@ -276,6 +279,13 @@ class InteractingExamples(AbstractExamples):
 
     axis: int = eqx.field(static=True, default=0)
 
+    def __check_init__(self):
+        if not isinstance(self.axis, int) or isinstance(self.axis, bool):
+            raise TypeError(
+                "`eqfisher.InteractingExamples(axis=...)`: the example axis among "
+                f"a registered loss's leading axes, an int; got {self.axis!r}."
+            )
+
     def main_pass_rows(self, processed, s, batch, groups):
         # An example's part of the batch's pullback holds the others' data too.
         return MainPassRows()
@@ -354,3 +364,14 @@ def _unit_rows(processed: LossProgram, parts, by_leaf) -> dict[int, Array]:
         leaf, index = processed.units[i]
         rows[i] = by_leaf[leaf][(slice(None),) + index]
     return rows
+
+
+def _check_axes(name: str, axis: PyTree) -> None:
+    """`axis` holds ints (and `None`s), as `jax.vmap`'s `in_axes`."""
+    for a in jax.tree_util.tree_leaves(axis):
+        if not isinstance(a, int) or isinstance(a, bool):
+            raise TypeError(
+                f"`eqfisher.{name}(axis=...)`: the example axis must be an int, or "
+                "a PyTree prefix of the batch of ints and `None`s (as `jax.vmap`'s "
+                f"`in_axes`), got {a!r}."
+            )

@@ -11,6 +11,7 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from .._config import Config, current_config
+from .._refusal import check_flag
 from .._tracer import Returns, StagedLoss
 from ..filters import AbstractFilter
 from .builder import Builder, check_args
@@ -242,6 +243,8 @@ def value_grad_then_curvature(
 def _returns(caller: str, has_aux: bool, surrogate: bool) -> Returns:
     """What `loss_fn` returns, as `StagedLoss` names it: `"aux"`, `"surrogate"` or
     `"loss"`."""
+    check_flag(caller, "has_aux", has_aux)
+    check_flag(caller, "surrogate", surrogate)
     if has_aux and surrogate:
         raise ValueError(f"`{caller}`: pass at most one of `has_aux` and `surrogate`.")
     return "aux" if has_aux else "surrogate" if surrogate else "loss"

@@ -272,7 +272,12 @@ def _loss_axis(
         return None
     diff = [i for i, (a, b) in enumerate(zip(batch_shape, one_shape)) if a != b]
     if not diff:
-        return 0 if n == 1 else None
+        if n != 1:
+            return None
+        # One example: the shapes agree, and the example axis is one of size 1
+        # (any one: the vectors are the same), not always the first (a
+        # time-major `(T, 1, F)` batch's loss on `(T, 1, C)`).
+        return next((i for i, a in enumerate(batch_shape[:-1]) if a == 1), 0)
     if len(diff) == 1 and batch_shape[diff[0]] == n and one_shape[diff[0]] == 1:
         return diff[0]
     return None

@@ -6,6 +6,7 @@ from collections.abc import Callable
 import jax
 from jaxtyping import Array, Float, PyTree
 
+from .._refusal import check_flag
 from .capture import StagedLoss, split, stage_loss
 from .program import VarMap, points
 from .results import LayerData, LayerReport
@@ -49,6 +50,7 @@ def find_layers(
         assert [layer.kind for layer in report.layers] == ["dense", "dense"]
         ```
     """
+    check_flag("eqfisher.find_layers", "strict", strict)
     processed = stage_loss(loss_fn, split(model, batch), caller="eqfisher.find_layers")
     report = processed.report()
     if strict and report.unmatched:

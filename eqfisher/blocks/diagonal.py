@@ -1,3 +1,5 @@
+import jax
+import jax.core
 import jax.numpy as jnp
 import lineax as lx
 from jaxtyping import Array, ArrayLike, Float, ScalarLike
@@ -57,6 +59,15 @@ class DiagonalBlock(AbstractBlock):
             raise ValueError(
                 f"`DiagonalBlock(diag)`: the leaves of `diag` must share one dtype, got "
                 f"{sorted(str(d) for d in dtypes)}."
+            )
+        # A concrete diagonal is checked (a traced one, built by eqfisher from
+        # squares, is not): a negative entry gave NaN log-determinants and
+        # infinite solves.
+        concrete = [d for d in self.diag if not isinstance(d, jax.core.Tracer)]
+        if any(bool(jnp.any(d < 0)) for d in concrete):
+            raise ValueError(
+                "`DiagonalBlock(diag)`: a curvature's diagonal must be "
+                "non-negative; `diag` has negative entries."
             )
 
     def mv(self, vector: Operand) -> Operand:

@@ -129,7 +129,7 @@ def marglik_training(
     steps: int,
     hyper_every: int = 50,
     hyper_steps: int = 50,
-    hyper_learning_rate: float = 0.1,
+    hyper_learning_rate: float | int = 0.1,
     burn_in: int = 0,
     where=None,
     prior_precision: ScalarLike = 1.0,
@@ -149,6 +149,11 @@ def marglik_training(
     **Arguments:**
 
     - `loss_fn`, `batch`, `likelihood`, `structure`, `where`: as for `fit`.
+      `where` selects the parameters the posterior (and so the prior) covers;
+      `optimizer` still trains every parameter, those outside `where` with no
+      prior term. To train only the selection, mask the optimiser
+      (`optax.masked(opt, ef.filters.optax_mask(model, where))`, and
+      `optax.set_to_zero()` on the rest).
     - `model`: the initial model.
     - `optimizer`: an optax optimiser for the parameters.
     - `steps`: parameter steps.

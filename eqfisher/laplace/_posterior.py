@@ -12,7 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree, ScalarLike
 
-from .._curvature import GGN, AbstractEstimator, AbstractStructure, Curvature, curvature
+from .._curvature import (
+    GGN,
+    AbstractEstimator,
+    AbstractExamples,
+    AbstractStructure,
+    Curvature,
+    IndependentExamples,
+    curvature,
+)
 from .._precision import at_least_float32
 from .._refusal import int_hint, refused_where
 from .._tracer import loss_tags_jvp
@@ -274,8 +282,13 @@ class Laplace(eqx.Module):
         scale = self.curvature_scale
 
         def fn(name, block, parts):
-            out = block.solve(parts, self.prior_precision[name] / scale)
-            return tuple(x / scale.astype(x.dtype) for x in out)
+            # (s B + δ I)⁻¹ v = (B + δ/s I)⁻¹ (v / s), with v / s in at least
+            # float32, as the blocks are: a block returns its operand's dtype, and
+            # in a float16 model's, the solve at δ/s and then the division by s
+            # (N above 65,504) overflowed: a covariance of 0, inf or NaN.
+            wide = tuple(x.astype(at_least_float32(x.dtype)) / scale for x in parts)
+            out = block.solve(wide, self.prior_precision[name] / scale)
+            return tuple(y.astype(x.dtype) for x, y in zip(parts, out))
 
         return map_blocks(self.curvature, vector, fn, "Laplace.covariance_mv")
 
@@ -449,6 +462,7 @@ def fit(
     estimator: AbstractEstimator = GGN(),  # noqa: B008 (an immutable Module)
     where=None,
     key: PRNGKeyArray | None = None,
+    examples: AbstractExamples = IndependentExamples(),  # noqa: B008 (immutable)
     prior_precision: ScalarLike | dict[str, ScalarLike] = 1.0,
     noise_std: ScalarLike | None = None,
     temperature: ScalarLike = 1.0,
@@ -465,7 +479,10 @@ def fit(
     - `model`: the trained model (the MAP).
     - `batch`: the training data.
     - `likelihood`: `"classification"` or `"regression"`.
-    - `structure`, `estimator`, `where`, `key`: as for `eqfisher.curvature`.
+    - `structure`, `estimator`, `where`, `key`, `examples`: as for
+      `eqfisher.curvature` (`examples=eqfisher.InteractingExamples()` for a model
+      whose examples interact, such as BatchNorm in training mode;
+      `IndependentExamples(axis=1)` for time-major data).
     - `prior_precision`, `noise_std`, `temperature`: as for `Laplace`.
 
     **Returns:**
@@ -516,6 +533,7 @@ def fit(
         structure=structure,
         where=where,
         key=key,
+        examples=examples,
     )
     # N·C + δI is built here from the mean loss's curvature: a loss already
     # multiplied by N (or any factor) would count it twice.

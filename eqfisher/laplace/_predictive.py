@@ -333,5 +333,12 @@ def softmax_average(
         print(ef.laplace.softmax_average(samples))  # [[0.5, 0.5]]
         ```
     """
+    if jnp.ndim(samples) != 3:
+        raise ValueError(
+            "`eqfisher.laplace.softmax_average(samples)`: `samples` must be "
+            "`(samples, batch, classes)`, as `predictive_samples` gives them, got "
+            f"shape {jnp.shape(samples)}; for one input's samples, add its batch "
+            "axis: `samples[:, None]`."
+        )
     _check_classes("softmax_average", jnp.shape(samples)[-1])
     return jnp.mean(jax.nn.softmax(samples, axis=-1), axis=0)

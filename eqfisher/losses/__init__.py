@@ -18,3 +18,16 @@ from ._functions import (
 from ._gaussian import Gaussian as Gaussian
 from ._register import register_loss as register_loss
 from ._tags import loss_tag_p as loss_tag_p, loss_value_tag_p as loss_value_tag_p
+
+
+# The tag primitives are for eqfisher's tracer, not part of the API.
+__all__ = [
+    "AbstractLossFamily",
+    "Bernoulli",
+    "Categorical",
+    "Gaussian",
+    "register_loss",
+    "sigmoid_cross_entropy",
+    "softmax_cross_entropy",
+    "squared_error",
+]

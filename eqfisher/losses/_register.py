@@ -60,6 +60,11 @@ def register_loss(
         assert jnp.allclose(dense(masked_loss, padded), dense(loss_fn, half), atol=1e-6)
         ```
     """
+    if not isinstance(family, AbstractLossFamily):
+        raise TypeError(
+            f"`{caller}(family, ...)`: `family` must be a loss family such as "
+            f"`eqfisher.losses.Categorical()`, got {family!r}."
+        )
     inputs = _one_array(inputs, "the outputs (its first argument)", caller)
     targets = _one_array(targets, "the targets (its second argument)", caller)
     mask = None if mask is None else _one_array(mask, "`mask`", caller)

@@ -49,8 +49,8 @@ class AdaptiveKFACState(NamedTuple):
 def kfac_adaptive(
     *,
     like: Curvature,
-    initial_damping: float = 1.0,
-    decay: float = 0.95,
+    initial_damping: float | int = 1.0,
+    decay: float | int = 0.95,
     inverse_every: int = 1,
     adapt_every: int = 5,
     weight_decay: ScalarLike = 0.0,

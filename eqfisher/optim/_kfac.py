@@ -297,7 +297,7 @@ def kfac_preconditioner(
     decay: ScalarLike = 0.95,
     inverse_every: int | Int[Array, ""] = 5,
     damping_variant: AbstractDamping = FactoredTikhonov(),  # noqa: B008 (an immutable Module)
-    norm_constraint: float | None = 1e-2,
+    norm_constraint: float | int | None = 1e-2,
     learning_rate: ScalarOrSchedule = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Preconditions gradients by a damped, averaged curvature.
@@ -425,7 +425,7 @@ def _preconditioner(
     decay: ScalarLike,
     inverse_every: int | Int[Array, ""],
     damping_variant: AbstractDamping,
-    norm_constraint: float | None,
+    norm_constraint: float | int | None,
     learning_rate: ScalarOrSchedule,
     zero_nonfinite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
@@ -500,12 +500,12 @@ def kfac(
     momentum: ScalarLike = 0.0,
     decay: ScalarLike = 0.95,
     inverse_every: int | Int[Array, ""] = 10,
-    weight_decay: float | Array = 0.0,
+    weight_decay: float | int | Array = 0.0,
     damping_variant: AbstractDamping = FactoredTikhonov(),  # noqa: B008 (an immutable Module)
     graft: optax.GradientTransformation | None = flatten_if_small(  # noqa: B008 (stateless)
         optax.scale_by_adam()  # noqa: B008
     ),
-    norm_constraint: float | None = None,
+    norm_constraint: float | int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """K-FAC, ready to use: preconditioner, grafting, weight decay, momentum,
     learning rate.

@@ -50,12 +50,36 @@ class QuadraticModel:
         self._loss_fn, self._batch = loss_fn, batch
 
     def gram(self, vectors: list[PyTree]) -> Float[Array, "k k"]:
-        r"""$v_i^\top G v_j$ for the exact GGN $G$, from one GGN product per vector."""
-        return _vdots(vectors, [self._ggn.mv(v) for v in vectors])
+        r"""$v_i^\top G v_j$ for the exact GGN $G$, from one GGN product per vector.
+        A vector of some of the parameters (the others `None`, or optax's
+        `MaskedNode` under `optax.masked`) is zero on the others."""
+        whole = [self._complete(v, jnp.zeros_like) for v in vectors]
+        return _vdots(whole, [self._ggn.mv(v) for v in whole])
 
     def loss(self, params: PyTree) -> Float[Array, ""]:
-        """`loss_fn` on the batch, at other parameters."""
-        return self._loss_fn(eqx.combine(params, self._static), self._batch)
+        """`loss_fn` on the batch, at other parameters (where some are given, as
+        in `gram`, the others at the model's)."""
+        whole = self._complete(params, lambda p: p)
+        return self._loss_fn(eqx.combine(whole, self._static), self._batch)
+
+    def _complete(self, part: PyTree, fill: Callable) -> PyTree:
+        """`part` with `fill(p)` for each parameter `p` it leaves out: adaptive
+        K-FAC on a `where=` subset (`optax.masked`, Adam on the rest) is given
+        only the subset's leaves."""
+        holes, treedef = jax.tree_util.tree_flatten(part, is_leaf=_hole)
+        full, full_def = jax.tree_util.tree_flatten(self.params, is_leaf=_hole)
+        if treedef != full_def:
+            raise ValueError(
+                "adaptive K-FAC: the updates, gradients and parameters must have "
+                "the structure of `eqx.filter(model, eqx.is_inexact_array)` of the "
+                "model given to `quadratic_model` (a subset's leaves `None` or "
+                "optax's `MaskedNode`)."
+            )
+        leaves = [
+            fill(p) if _hole(h) and p is not None else None if _hole(h) else h
+            for h, p in zip(holes, full)
+        ]
+        return jax.tree_util.tree_unflatten(full_def, leaves)
 
 
 def quadratic_model(loss_fn: Callable, model: PyTree, batch: PyTree) -> QuadraticModel:
@@ -86,11 +110,11 @@ class AdaptiveState(NamedTuple):
 
 def adaptive_steps(
     *,
-    initial_damping: float,
+    initial_damping: float | int,
     adapt_every: int = 5,
     weight_decay: ScalarLike = 0.0,
-    min_damping: float = 1e-8,
-    max_damping: float = 1e3,
+    min_damping: float | int = 1e-8,
+    max_damping: float | int = 1e3,
 ) -> optax.GradientTransformationExtraArgs:
     """Turns a preconditioned direction Δ into the update αΔ + μδ₋₁ that minimises
     the damped quadratic model, and adapts the damping by its reduction ratio.
@@ -161,6 +185,11 @@ def adaptive_steps(
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+def _hole(x) -> bool:
+    """A leaf that a subset of the parameters leaves out."""
+    return x is None or isinstance(x, optax.MaskedNode)
+
+
 def _vdots(us: list[PyTree], vs: list[PyTree]) -> Array:
     """The matrix of dot products uᵢᵀvⱼ, in float32 at least (float64 where a leaf
     is): a bfloat16 model's Gram matrix was bfloat16, and met the float32 damping
@@ -177,7 +206,7 @@ def _vdots(us: list[PyTree], vs: list[PyTree]) -> Array:
     return jnp.stack([jnp.stack([vdot(u, v) for v in vs]) for u in us])
 
 
-def _initial_state(params: PyTree, initial_damping: float) -> AdaptiveState:
+def _initial_state(params: PyTree, initial_damping: float | int) -> AdaptiveState:
     """No previous update; the damping in the statistics' dtype (at least
     float32)."""
     leaves = jax.tree.leaves(params)

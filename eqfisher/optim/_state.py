@@ -18,7 +18,7 @@ from .._refusal import int_hint, refused_where
 from ._damping import FactoredTikhonov
 
 
-ScalarOrSchedule = float | Float[Array, ""] | optax.Schedule
+ScalarOrSchedule = float | int | Float[Array, ""] | optax.Schedule
 """A constant (a float or a scalar array) or an optax schedule: a function from the
 step count (an integer array, counting updates from 0) to a scalar, such as
 `optax.exponential_decay(1e-1, 100, 0.5)` or
@@ -113,9 +113,17 @@ def check_range(
             bounds = f">= {low}" if closed else f"> {low}"
         else:
             bounds = f"in [{low}, {high})" if closed else f"in ({low}, {high})"
+        half = jnp.result_type(value) in (jnp.float16, jnp.bfloat16)
         raise ValueError(
             f"`eqfisher.optim.{caller}(..., {name}=...)`: `{name}` must be "
             f"finite and {bounds}, got {value!r}."
+            + (
+                " A half-precision value: `optax.inject_hyperparams` casts "
+                "hyperparameters to the parameters' dtype, where a small damping "
+                "rounds to 0; pass `hyperparam_dtype=jnp.float32` to it."
+                if half
+                else ""
+            )
         )
 
 

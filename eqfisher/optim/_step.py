@@ -17,6 +17,7 @@ from .._curvature import (
     value_grad_and_curvature,
     value_grad_then_curvature,
 )
+from .._refusal import check_flag
 from ..filters import AbstractFilter
 from ._adaptive_kfac import AdaptiveKFACState
 from ._compile import fast_compile_options, filter_jit_with_options
@@ -144,8 +145,7 @@ def _check_step_args(
         check_positive_int("kfac_step", "curvature_batch_size", curvature_batch_size)
         _check_leading(examples)
     for name, flag in flags.items():
-        if not isinstance(flag, bool):
-            raise TypeError(f"`{caller}({name}=...)`: True or False, got {flag!r}.")
+        check_flag(caller, name, flag)
 
 
 def _quadratic_model_if_adaptive(

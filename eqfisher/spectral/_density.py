@@ -21,7 +21,9 @@ def _bumps(grid, nodes, weights, sigma):
     return jnp.sum(weights[None] * g, axis=(1, 2)) / nodes.shape[0]
 
 
-def _check_shape(caller: str, points: int, kappa: float, margin: float) -> None:
+def _check_shape(
+    caller: str, points: int, kappa: float | int, margin: float | int
+) -> None:
     check_count(points, "points", caller, minimum=2)
     if not kappa > 1:
         raise ValueError(f"`{caller}(kappa=...)` must be greater than 1, got {kappa}.")
@@ -58,12 +60,21 @@ class Quadrature(eqx.Module):
     nodes: Float[Array, "repeats m"]
     weights: Float[Array, "repeats m"]
 
+    def __check_init__(self):
+        shapes = (jnp.shape(self.nodes), jnp.shape(self.weights))
+        if len(shapes[0]) != 2 or shapes[0] != shapes[1]:
+            raise ValueError(
+                "`eqfisher.spectral.Quadrature(nodes, weights)`: `nodes` and "
+                "`weights` must both have shape `(repeats, iterations)`, got "
+                f"{shapes[0]} and {shapes[1]}."
+            )
+
     def density(
         self,
         *,
         points: int = 1024,
-        kappa: float = 3.0,
-        margin: float = 0.05,
+        kappa: float | int = 3.0,
+        margin: float | int = 0.05,
         boundaries: tuple[float, float] | None = None,
     ) -> tuple[Float[Array, " points"], Float[Array, " points"]]:
         r"""The spectral density
@@ -106,10 +117,10 @@ class Quadrature(eqx.Module):
         self,
         *,
         points: int = 1024,
-        kappa: float = 1.04,
-        margin: float = 0.05,
+        kappa: float | int = 1.04,
+        margin: float | int = 0.05,
         boundaries: tuple[float, float] | None = None,
-        epsilon: float = 1e-5,
+        epsilon: float | int = 1e-5,
     ) -> tuple[Float[Array, " points"], Float[Array, " points"]]:
         r"""The density of the spectrum on a logarithmic scale (Papyan's section C.7):
         the bumps are placed at $\log(\lvert \lambda \rvert + \varepsilon)$, so
@@ -248,11 +259,11 @@ def spectral_density(
     key: PRNGKeyArray,
     repeats: int = 1,
     points: int = 1024,
-    kappa: float | None = None,
-    margin: float = 0.05,
+    kappa: float | int | None = None,
+    margin: float | int = 0.05,
     boundaries: tuple[float, float] | None = None,
     log: bool = False,
-    epsilon: float = 1e-5,
+    epsilon: float | int = 1e-5,
 ) -> tuple[Float[Array, " points"], Float[Array, " points"]]:
     r"""The smoothed spectral density of a symmetric operator, by stochastic Lanczos
     quadrature (Papyan, 2020): `lanczos_quadrature(...)` then its `density(...)`, or

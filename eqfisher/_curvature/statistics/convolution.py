@@ -52,7 +52,9 @@ class _ConvInputs(AbstractLayerInputs):
 
     def moments(self, record, x, reduce_examples, dtype, diagonal, with_bias):
         if _patches_too_large(record):
-            second, sums, rows = _chunked_patches(record, x, reduce_examples, diagonal)
+            second, sums, rows = _chunked_patches(
+                record, x, reduce_examples, diagonal, dtype
+            )
             if with_bias:
                 second = joined(second, sums, rows, diagonal)
             return second, rows
@@ -96,6 +98,7 @@ def _chunked_patches(
     x: Array,
     reduce_examples: int | None,
     diagonal: bool = False,
+    dtype=None,
 ) -> tuple[Array, Array, int]:
     """`(Σ a aᵀ, Σ a, rows)` over a conv layer's patch rows `a`, forming the patch
     matrix for a chunk of examples at a time (a `lax.scan`), so that memory stays
@@ -116,7 +119,7 @@ def _chunked_patches(
     x = jnp.pad(x, [(0, chunks * chunk - n)] + [(0, 0)] * (x.ndim - 1))
     xs = x.reshape((chunks, chunk) + x.shape[1:])
     d = record.d_in
-    dtype = at_least_float32(x.dtype)
+    dtype = at_least_float32(x.dtype) if dtype is None else dtype
 
     def body(carry, xc):
         a = _patches(record, jnp.moveaxis(xc, 0, axis)).astype(dtype)

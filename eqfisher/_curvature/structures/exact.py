@@ -25,7 +25,7 @@ class Dense(AbstractStructure):
         ```
     """
 
-    max_gib: float = eqx.field(static=True, default=1.0)
+    max_gib: float | int = eqx.field(static=True, default=1.0)
     steps_alike = False
 
     def __check_init__(self):

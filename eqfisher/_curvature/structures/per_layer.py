@@ -93,8 +93,7 @@ class PerLayer(AbstractStructure):
                     "`eqfisher.PerLayer(...)`: the "
                     f"parameters of `{g.name}` ({', '.join(g.paths)}) go to "
                     f"{' and '.join(named)}; a block's parameters need "
-                    f"one structure. Select whole layers, e.g. "
-                    f"`eqfisher.filters.by_path('{g.name}.*')`."
+                    f"one structure. Select whole layers, e.g. {_whole(g)}."
                 )
             chosen[parts.pop()].append(g)
         out = []
@@ -127,3 +126,14 @@ class PerLayer(AbstractStructure):
     def block(self, group, statistics):
         structure, group = self._part(group)
         return structure.block(group, statistics)
+
+
+def _whole(group: Group) -> str:
+    """A filter that selects the parameters of `group`'s layer: its model path,
+    or (a layer that is no submodule, `x @ self.V + self.c`) each of its leaves."""
+    name = group.name.removeprefix(".")
+    paths = [p.removeprefix(".") for p in group.paths]
+    if all(p.startswith((f"{name}.", f"{name}[")) for p in paths):
+        return f"`eqfisher.filters.by_path('{group.name}.*')`"
+    parts = [f"eqfisher.filters.by_path('{p}')" for p in paths]
+    return f"`{' | '.join(parts)}`"
