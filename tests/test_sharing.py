@@ -235,3 +235,59 @@ def test_a_weight_tied_between_layers_with_their_own_biases_is_named():
     assert (
         "tied between 2 dense layers that have biases" in reasons[".pytree[0].weight"]
     )
+
+
+class _ScanReadout(eqx.Module):
+    cell: eqx.nn.GRUCell
+    out: eqx.nn.Linear
+
+    def __call__(self, xs):
+        def step(h, x):
+            h = self.cell(x, h)
+            return h, h
+
+        _, hs = jax.lax.scan(step, jnp.zeros(3, xs.dtype), xs)
+        return jax.vmap(self.out)(hs)  # over the scan's outputs: (T, C)
+
+
+@pytest.mark.parametrize("steps", [3, 4], ids=["T=N", "T!=N"])
+def test_reduce_refuses_a_layer_whose_first_location_axis_is_time(steps):
+    """A readout vmapped over a scan's outputs, under the examples' vmap, has time
+    as its first location axis. With as many steps as examples "reduce" averaged
+    it over the examples (A 7% off the documented reduction); otherwise it was
+    refused naming no fix. Both are refused, naming the fixes; "expand" is the
+    exact GGN diagonal blocks' K-FAC, as without sharing."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    model = _ScanReadout(
+        eqx.nn.GRUCell(2, 3, key=keys[0], dtype=jnp.float64),
+        eqx.nn.Linear(3, 3, key=keys[1], dtype=jnp.float64),
+    )
+    x = jax.random.normal(keys[2], (3, steps, 2), jnp.float64)
+    y = jax.random.randint(keys[3], (3, steps), 0, 3)
+
+    def loss_fn(m, b):
+        return ef.softmax_cross_entropy(jax.vmap(m)(b[0]), b[1])
+
+    def kfac(sharing):
+        return ef.curvature(
+            loss_fn,
+            model,
+            (x, y),
+            estimator=ef.GGN(),
+            structure=ef.KFAC(weight_sharing=sharing),
+        )
+
+    with pytest.raises(ValueError, match=r"Apply the layer inside the scan's body"):
+        kfac("reduce")
+    block = kfac("expand").blocks["out"]
+
+    def states(xs):
+        def step(h, x):
+            h = model.cell(x, h)
+            return h, h
+
+        return jax.lax.scan(step, jnp.zeros(3, xs.dtype), xs)[1]
+
+    hs = jax.vmap(states)(x).reshape(-1, 3)  # every location's input
+    a = jnp.concatenate([hs, jnp.ones((hs.shape[0], 1), hs.dtype)], axis=1)
+    np.testing.assert_allclose(block.a, a.T @ a / a.shape[0], rtol=1e-12)

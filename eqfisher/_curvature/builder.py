@@ -21,7 +21,7 @@ from jaxtyping import PyTree
 from .. import filters
 from .._precision import at_least_float32
 from .._refusal import check_key, refused_where
-from .._tracer import StagedLoss, split
+from .._tracer import StagedLoss, label_of, proven_labels, split
 from ..blocks import AbstractBlock
 from . import statistics as stats
 from .estimators import AbstractEstimator, loss_vectors, stacked_vectors
@@ -296,7 +296,7 @@ class Builder(eqx.Module):
         if n.kronecker:
             size = main.losses[0].inputs.shape[0]
             reduce = _reduce_examples(
-                self.structure, n, g, size, self.caller, self.examples
+                self.structure, n, g, size, self.caller, self.examples, main
             )
             # Every step's use of a weight in a kept scan at once, from the
             # scan's stacked values: the work does not grow with the steps.
@@ -530,7 +530,13 @@ def _needs(structure: AbstractStructure, g: Group, caller: str) -> Needs:
 
 
 def _reduce_examples(
-    structure, n: Needs, g: Group, size: int, caller: str, examples: AbstractExamples
+    structure,
+    n: Needs,
+    g: Group,
+    size: int,
+    caller: str,
+    examples: AbstractExamples,
+    main: MainPass,
 ):
     if n.weight_sharing != "reduce":
         return None
@@ -544,6 +550,7 @@ def _reduce_examples(
             "elsewhere. Put the example axis first (e.g. `x.swapaxes(0, 1)` for a "
             'time-major batch), or use weight_sharing="expand".'
         )
+    _check_reduced_axis(structure, g, caller, main)
     first = stats.example_axis_size(g.records[0])
     if first != size:
         raise ValueError(
@@ -552,3 +559,28 @@ def _reduce_examples(
             f"{first} there and the loss {size} examples."
         )
     return size
+
+
+def _check_reduced_axis(structure, g: Group, caller: str, main: MainPass) -> None:
+    """Refuses "reduce" for a layer whose examples are, by the tracer's labels, on
+    another than its first location axis: a readout vmapped over a scan's outputs
+    under the examples' vmap has time first, and was reduced over the examples
+    when there were as many steps as examples."""
+    labels = main.main_rows.labels or proven_labels(
+        main.processed.program, main.split, main.batch, 0, caller
+    )
+    if labels is None:
+        return
+    for record in g.records:
+        axis = label_of(labels, record.outputs)  # None: shared; -1: mixed
+        if axis is not None and axis >= 0 and axis != record.out_order[0]:
+            raise ValueError(
+                f'`{caller}(..., structure={structure!r})`: "reduce" averages '
+                "each example's inputs over the layer's locations, taking the "
+                f"examples on its first location axis, but layer `{g.name}` has "
+                f"them on its output's axis {axis}, and its first location axis "
+                f"is axis {record.out_order[0]} (e.g. a layer mapped over a "
+                "`lax.scan`'s outputs under the examples' `jax.vmap`: time comes "
+                "first). Apply the layer inside the scan's body, "
+                'or give it weight_sharing="expand" (`eqfisher.PerLayer`).'
+            )

@@ -61,8 +61,11 @@ INTERACTION = (
     "term zero in value but not in derivative, as a straight-through "
     "`m - jax.lax.stop_gradient(m)` of a batch mean `m`. "
     "Fix: pass `examples=eqfisher.InteractingExamples()` for the exact curvature "
-    "from full-batch products (cost ∝ batch × outputs), or run the model in "
-    "inference mode. (Under `structure=eqfisher.KFAC()` only the exact blocks of "
+    "from full-batch products (cost ∝ batch × outputs), with `axis=` the example "
+    "axis among the registered loss's leading axes where it is not the first "
+    "(`InteractingExamples(axis=1)` for `(T, N, C)` logits: the default takes "
+    "axis 0, time, for the examples, and the empirical Fisher is then wrong), or "
+    "run the model in inference mode. (Under `structure=eqfisher.KFAC()` only the exact blocks of "
     "scale-and-shift layers, BatchNorm's and LayerNorm's, need per-example "
     "vectors: K-FAC with a `where=` that leaves them out needs none.)"
 )
