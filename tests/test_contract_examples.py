@@ -207,29 +207,25 @@ def test_kfac_scale_and_shift_block_is_exact_with_interacting_examples():
     np.testing.assert_allclose(bias, np.diag(ref)[sl[3]], rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("structure", STRUCTURES, ids=repr)
-def test_time_major_example_axis(structure):
-    loss_fn, model, batch, ref = _time_major()
+def _time_major_curvature(structure, axis, n=3):
+    loss_fn, model, batch, ref = _time_major(n)
     got = ef.curvature(
         loss_fn,
         model,
         batch,
         estimator=ef.GGN(),
         structure=structure,
-        examples=ef.IndependentExamples(axis=1),
+        examples=ef.IndependentExamples(axis=axis),
     )
-    np.testing.assert_allclose(
-        got.as_matrix(), _restrict(ref, model, structure, got), rtol=1e-9, atol=1e-12
-    )
+    return got, _restrict(ref, model, structure, got)
+
+
+@pytest.mark.parametrize("structure", STRUCTURES, ids=repr)
+def test_time_major_example_axis(structure):
+    got, ref = _time_major_curvature(structure, 1)
+    np.testing.assert_allclose(got.as_matrix(), ref, rtol=1e-9, atol=1e-12)
     # A PyTree prefix of the batch, as jax.vmap's in_axes.
-    again = ef.curvature(
-        loss_fn,
-        model,
-        batch,
-        estimator=ef.GGN(),
-        structure=structure,
-        examples=ef.IndependentExamples(axis=(1, 1)),
-    )
+    again, _ = _time_major_curvature(structure, (1, 1))
     np.testing.assert_allclose(again.as_matrix(), got.as_matrix(), rtol=1e-12)
 
 
@@ -238,18 +234,8 @@ def test_time_major_batch_of_one_example(structure):
     """With one example the loss's shapes are the same with one example as with
     the batch, and its example axis was taken to be the first: vmap's
     "inconsistent sizes" for a time-major `(T, 1, F)` batch."""
-    loss_fn, model, batch, ref = _time_major(n=1)
-    got = ef.curvature(
-        loss_fn,
-        model,
-        batch,
-        estimator=ef.GGN(),
-        structure=structure,
-        examples=ef.IndependentExamples(axis=1),
-    )
-    np.testing.assert_allclose(
-        got.as_matrix(), _restrict(ref, model, structure, got), rtol=1e-9, atol=1e-12
-    )
+    got, ref = _time_major_curvature(structure, 1, n=1)
+    np.testing.assert_allclose(got.as_matrix(), ref, rtol=1e-9, atol=1e-12)
 
 
 def test_interacting_empirical_fisher_is_exact():
