@@ -15,6 +15,7 @@ import jaxlib.version
 import numpy as np
 from jax._src import core as jax_core, traceback_util
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import AxisType
 
 
 Var = jex.core.Var
@@ -340,6 +341,35 @@ def _varying_axes(x: Any) -> frozenset[str]:
     if axes is None:
         axes = getattr(getattr(aval, "mat", None), "varying", None)
     return frozenset(axes or ())
+
+
+def explicit_axes(x: Any) -> frozenset[str]:
+    """The mesh axes of type `Explicit` (`jax.make_mesh`'s default) that `x`'s type
+    is sharded over (`float32[8@data]`): none for an `Auto` mesh's array."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    if mesh is None or spec is None:
+        return frozenset()
+    kinds = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
+    named = (
+        a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,))
+    )
+    return frozenset(
+        a for a in named if isinstance(a, str) and kinds.get(a) == AxisType.Explicit
+    )
+
+
+def manual_axes() -> frozenset[str]:
+    """The `Manual` mesh axes this runs under: those of the enclosing
+    `jax.shard_map`s, with either `check_vma`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    kinds = zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ()))
+    return frozenset(name for name, kind in kinds if kind == AxisType.Manual)
+
+
+def in_manual_mesh() -> bool:
+    """Whether this runs inside `jax.shard_map`."""
+    return bool(manual_axes())
 
 
 def is_varying(x: Any) -> bool:

@@ -75,12 +75,10 @@ class MatrixFreeOperator(lx.AbstractLinearOperator):
         as for `eqfisher.ggn_operator` (which builds the GGN's). Checks that
         `loss_fn` is one this matrix is defined for (traces it, computes
         nothing)."""
-        if any(
-            map(_compat.is_varying, jax.tree.leaves(eqx.filter(batch, eqx.is_array)))
-        ):
+        if _compat.in_manual_mesh():
             raise ValueError(
-                f"`{self.caller}`: a batch that varies over a `jax.shard_map` mesh "
-                "axis: the matrix-free operators do not run inside `shard_map` "
+                f"`{self.caller}`: called inside `jax.shard_map`: the matrix-free "
+                "operators do not run there "
                 "(their products mix the batch's device-varying values with "
                 "replicated vectors). Shard the batch with `jax.device_put` and "
                 "call the operator under `jax.jit`, which inserts the reductions "

@@ -1181,3 +1181,39 @@ def test_an_embedding_id_outside_the_table_counts_the_row_read(mode):
     )
     reached = float(jnp.max(jnp.abs(exact.blocks["[0]"].as_matrix()))) > 0
     assert reached == (mode in ("embedding", "clip"))
+
+
+class _WithEmptyLayer(eqx.Module):
+    empty: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.head(jnp.concatenate([x, self.empty(x)]))
+
+
+@pytest.mark.parametrize("structure", [ef.Diagonal(), ef.BlockDiagonal(), ef.KFAC()])
+def test_a_layer_with_no_outputs_is_refused_by_name(structure):
+    # `eqx.nn.Linear(3, 0)` raised a bare ZeroDivisionError in a reshape.
+    keys = jax.random.split(jax.random.key(0), 3)
+    model = _WithEmptyLayer(
+        eqx.nn.Linear(3, 0, key=keys[0]), eqx.nn.Linear(3, 2, key=keys[1])
+    )
+    batch = (jax.random.normal(keys[2], (4, 3)), jnp.arange(4) % 2)
+
+    def loss_fn(m, b):
+        return ef.softmax_cross_entropy(jax.vmap(m)(b[0]), b[1])
+
+    def run(**where):
+        return ef.curvature(
+            loss_fn, model, batch, estimator=ef.GGN(), structure=structure, **where
+        )
+
+    with pytest.raises(ValueError, match=r"Layer empty .* 0 outputs.*`where=`"):
+        run()
+    head = run(where=ef.filters.by_path("head.*")).as_matrix()
+    # The empty layer adds nothing to the head's inputs: the head alone's curvature.
+    alone = ef.curvature(
+        loss_fn, model.head, batch, estimator=ef.GGN(), structure=structure
+    ).as_matrix()
+    np.testing.assert_allclose(head, alone, rtol=1e-12, atol=1e-15)
+    assert np.abs(alone).max() > 1e-3

@@ -262,5 +262,75 @@ def test_curvature_inside_shard_map_averages_to_one_device(setup, structure):
         return ef.ggn_operator(loss_fn, eqx.combine(p, static), b).mv(p)
 
     spec = dict(mesh=mesh, in_specs=(P(), P("batch")), out_specs=P())
-    with pytest.raises(ValueError, match=r"do not run inside `shard_map`"):
-        jax.jit(jax.shard_map(operator, **spec))(params, s_batch)
+    for check in ({}, {"check_vma": False}):  # (lineax's message with False)
+        with pytest.raises(ValueError, match=r"operators do not run there"):
+            jax.jit(jax.shard_map(operator, **spec, **check))(params, s_batch)
+
+
+def test_collectives_in_loss_fn_are_refused(setup):
+    # `lax.pmean` of the loss inside `shard_map` (check_vma=False) raised a bare
+    # AssertionError from the tracer.
+    _, (s_model, s_batch) = setup
+    mesh = s_batch[0].sharding.mesh
+    params, static = eqx.partition(s_model, eqx.is_array)
+
+    def averaged(model, batch):
+        return jax.lax.pmean(loss_fn(model, batch), "batch")
+
+    def per_device(p, b):
+        curv = ef.curvature(
+            averaged, eqx.combine(p, static), b, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        return eqx.filter(curv, eqx.is_array)
+
+    spec = dict(mesh=mesh, in_specs=(P(), P("batch")), out_specs=P(), check_vma=False)
+    with pytest.raises(
+        ValueError, match=r"collectives over the devices of `jax.shard_map` \(psum"
+    ):
+        jax.jit(jax.shard_map(per_device, **spec))(params, s_batch)
+
+
+def explicit_mesh():
+    return jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def test_explicit_axes_losses_run_and_curvature_refuses(setup):
+    # `jax.make_mesh`'s default axes are `Explicit`: the categorical loss raised
+    # JAX's ShardingTypeError (a replicated mask met sharded labels), and the
+    # curvature's contractions over the examples raised inside JAX.
+    (model, (x, y)), _ = setup
+    data = NamedSharding(explicit_mesh(), P("batch"))
+    batch = (jax.device_put(x, data), jax.device_put(y, data))
+    value = eqx.filter_jit(loss_fn)(model, batch)
+    masked = eqx.filter_jit(
+        lambda m, b: ef.softmax_cross_entropy(
+            jax.vmap(m)(b[0]), b[1], mask=jnp.ones(64)
+        )
+    )(model, batch)
+    np.testing.assert_allclose(value, loss_fn(model, (x, y)), rtol=1e-6)
+    np.testing.assert_allclose(masked, value, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"type `Explicit` \('batch'\).*AxisType.Auto"):
+        ef.curvature(loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC())
+
+
+def test_shard_map_on_an_explicit_mesh_averages_to_one_device(setup):
+    # jax 0.12 raised "Unexpected XLA sharding override" from the tracer's eager
+    # coefficient check under the `Manual` mesh made from `Explicit` axes.
+    (model, batch), _ = setup
+    mesh = explicit_mesh()
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def per_device(p, b):
+        curv = ef.curvature(
+            loss_fn, eqx.combine(p, static), b, estimator=ef.GGN(), structure=ef.KFAC()
+        )
+        return jax.lax.pmean(eqx.filter(curv, eqx.is_array), "batch")
+
+    spec = dict(mesh=mesh, in_specs=(P(), P("batch")), out_specs=P(), check_vma=False)
+    data = NamedSharding(mesh, P("batch"))
+    s_batch = tuple(jax.device_put(a, data) for a in batch)
+    got = jax.jit(jax.shard_map(per_device, **spec))(params, s_batch)
+    expected = ef.curvature(
+        loss_fn, model, batch, estimator=ef.GGN(), structure=ef.KFAC()
+    )
+    assert_close(got, eqx.filter(expected, eqx.is_array))

@@ -3,6 +3,7 @@
 layer records), and `StagedLoss`, a loss function with a cache of its
 `LossProgram`s."""
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -134,7 +135,14 @@ class LossProgram:
         # The pull-back from a concrete cotangent: a coefficient that is a
         # constant of the program (`mean`'s 1/N) comes out concrete, checked
         # here, and a batch's weight traced, checked at run time.
-        with jax.ensure_compile_time_eval():
+        # (Traced inside `jax.shard_map`: jax 0.12 cannot run it eagerly under a
+        # `Manual` mesh built from `Explicit` axes.)
+        eager = (
+            contextlib.nullcontext
+            if _compat.in_manual_mesh()
+            else (jax.ensure_compile_time_eval)
+        )
+        with eager():
             (ct,) = vjp(jnp.ones(jnp.shape(out), out.dtype))
         by_var = ct.as_dict()
         message = (
@@ -198,15 +206,53 @@ def calls_custom_vjp(fn: Callable, *args: Any) -> bool:
 
 
 def _calls_custom_vjp(eqns) -> bool:
-    return any(
-        eqn.primitive.name.startswith("custom_vjp")
-        or any(
-            _calls_custom_vjp(j.eqns)
-            for value in eqn.params.values()
-            for j in _compat.sub_jaxprs(value)
-        )
-        for eqn in eqns
+    return any(n.startswith("custom_vjp") for n in _primitive_names(eqns))
+
+
+def _primitive_names(eqns) -> set[str]:
+    """The names of the primitives of `eqns` and of their sub-jaxprs."""
+    return {eqn.primitive.name for eqn in _all_eqns(eqns)}
+
+
+def _all_eqns(eqns):
+    """`eqns` and the equations of their sub-jaxprs, depth first."""
+    for eqn in eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for j in _compat.sub_jaxprs(value):
+                yield from _all_eqns(j.eqns)
+
+
+def _refuse_collectives(eqns, caller: str) -> None:
+    """Refuses a `loss_fn` that communicates over the devices of an enclosing
+    `jax.shard_map` (`lax.pmean` of the loss): each device's curvature would then
+    hold the others' examples' derivatives, which eqfisher cannot separate. (A
+    collective over a `vmap`'s named axis, as BatchNorm's, is an ordinary sum by
+    the time it is traced: its axes are positions.)"""
+    manual = _compat.manual_axes()
+    if not manual:  # (outside `shard_map`, no walk of the program)
+        return
+    found = sorted(
+        {
+            eqn.primitive.name
+            for eqn in _all_eqns(eqns)
+            for key in ("axes", "axis_name")
+            if manual & set(_names(eqn.params.get(key)))
+        }
     )
+    if found:
+        raise ValueError(
+            f"`{caller}`: `loss_fn` calls collectives over the devices of "
+            f"`jax.shard_map` ({', '.join(found)}), such as `jax.lax.pmean` of the "
+            "loss. Return each device's own loss from `loss_fn` and average the "
+            "results instead: `jax.lax.pmean` of the curvature (or of the loss, "
+            "gradient and curvature) after the eqfisher call (docs/scale.md)."
+        )
+
+
+def _names(axes) -> tuple:
+    """A collective's `axes`/`axis_name` parameter as a tuple."""
+    return axes if isinstance(axes, tuple) else (axes,)
 
 
 def _registrations(program: Program, loss_fn: Callable, caller: str):
@@ -363,6 +409,7 @@ def stage_loss(
         return out
 
     jaxpr, consts = _compat.make_jaxpr(flat_fn, *s.inputs)
+    _refuse_collectives(jaxpr.eqns, caller)
     program = flatten(jaxpr, consts, n_p)
     tags, values = _registrations(program, loss_fn, caller)
     params = jax.tree_util.tree_unflatten(s.params_def, s.params)
@@ -417,6 +464,7 @@ class StagedLoss:
 
     def stage(self, s: Split, *, layers: bool = True) -> LossProgram:
         refuse_shard_map(self.caller, s.inputs)
+        refuse_explicit_axes(self.caller, s.inputs)
         key = (s.key, current_config(), layers)
         cached = self.cache.get(key)
         if cached is not None:
@@ -451,6 +499,23 @@ def refuse_shard_map(caller: str, leaves: Sequence[Any]) -> None:
             "own share's curvature, which you average with `jax.lax.pmean`), or "
             "shard the batch with `jax.device_put` and call eqfisher under "
             "`jax.jit` (docs/scale.md)."
+        )
+
+
+def refuse_explicit_axes(caller: str, leaves: Sequence[Any]) -> None:
+    """Refuses arrays sharded over `Explicit` mesh axes (`jax.make_mesh`'s
+    default), whose types carry their sharding: the curvature's own contractions
+    over the examples have no output sharding there, and JAX raises inside them."""
+    axes = sorted(set().union(*map(_compat.explicit_axes, leaves)))
+    if axes:
+        raise ValueError(
+            f"`{caller}`: the model or batch is sharded over mesh axes of type "
+            f"`Explicit` ({', '.join(map(repr, axes))}), the default of "
+            "`jax.make_mesh`; eqfisher's curvature needs `Auto` axes, where XLA "
+            "places its contractions over the examples. Build the mesh with "
+            "`jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) "
+            "* len(names))` (docs/scale.md), or call eqfisher inside "
+            "`jax.sharding.auto_axes(f, out_sharding=P())`."
         )
 
 

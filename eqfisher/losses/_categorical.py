@@ -138,7 +138,9 @@ class Categorical(AbstractLossFamily):
         targets = _refusal.refused_where(
             targets, bad, message, lambda: str(int(targets[bad][0]))
         )
-        return jnp.where(mask != 0, targets, jnp.zeros_like(targets))
+        # A scalar 0, not `zeros_like`: under `Explicit` mesh axes a replicated mask
+        # and sharded labels could not meet in `where` otherwise.
+        return jnp.where(mask != 0, targets, 0)
 
     def checked_mask(self, inputs, targets, mask, caller):
         if jnp.issubdtype(targets.dtype, jnp.integer):

@@ -12,6 +12,13 @@ from .inputs import layer_inputs
 
 def output_matrix(record: LayerRecord, g: Array) -> Array:
     """`(..., locations, d_out)` from output cotangents with leading stack axes."""
+    if not (record.d_in and record.d_out):
+        raise ValueError(
+            f"Layer {record.name} ({', '.join(record.param_paths)}) has "
+            f"{record.d_in} inputs and {record.d_out} outputs: its parameters are "
+            "empty and have no curvature. Remove the layer from the model, or keep "
+            "it out of the curvature with `where=` (or use `eqfisher.Dense()`)."
+        )
     lead = g.ndim - len(record.out_order)
     perm = tuple(range(lead)) + tuple(lead + i for i in record.out_order)
     g = jnp.transpose(g, perm)
