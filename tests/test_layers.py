@@ -340,3 +340,35 @@ def test_layers_of_one_module_at_every_step_are_numbered_in_order():
         loss_fn, model, (seq, y), estimator=ef.GGN(), structure=ef.KFAC()
     )
     assert list(curv.blocks) == ["cell", "cell#2", "cell#3", "out"]
+
+
+def test_a_derivative_of_the_model_outside_the_curvature_keeps_k_fac():
+    # A Jacobian of the model that carries no curvature (a metric in `aux`, or a
+    # penalty under `ef.stop_hessian`) is a bias-free application of each weight:
+    # it untied every layer of a biased MLP, whose K-FAC became exact diagonals.
+    model = eqx.nn.MLP(3, 2, 5, 1, activation=jnp.tanh, key=jax.random.key(0))
+    batch = (jax.random.normal(jax.random.key(1), (4, 3)), jnp.arange(4) % 2)
+
+    def plain(m, b):
+        return ef.softmax_cross_entropy(jax.vmap(m)(b[0]), b[1])
+
+    def jacobian_norm(m, x):
+        tangents = jax.vmap(lambda q: jax.jvp(m, (q,), (jnp.ones(3),))[1])(x)
+        return jnp.mean(tangents**2)
+
+    def with_aux(m, b):
+        return plain(m, b), jacobian_norm(m, b[0])
+
+    def penalised(m, b):
+        return plain(m, b) + ef.stop_hessian(lambda n: 0.1 * jacobian_norm(n, b[0]))(m)
+
+    def kfac(loss_fn, **aux):
+        vgc = ef.value_grad_and_curvature(
+            loss_fn, estimator=ef.GGN(), structure=ef.KFAC(), **aux
+        )
+        return vgc(model, batch)[2]
+
+    expected = kfac(plain)
+    for got in (kfac(with_aux, has_aux=True), kfac(penalised)):
+        assert {type(b) for b in got.blocks.values()} == {ef.blocks.KroneckerFactored}
+        np.testing.assert_allclose(got.as_matrix(), expected.as_matrix(), rtol=1e-12)

@@ -981,6 +981,10 @@ def test_curvature_batch_size_names_a_scalar_leaf():
         ValueError, match=r"`batch\[2\]` is not an array \(PjitFunction"
     ):
         step(model, state, (x, y, jnp.tanh))
+    # A table shared by every example (a noise schedule) was cut to its first rows
+    # too, silently: the curvature of another loss.
+    with pytest.raises(ValueError, match=r"leading sizes differ .*`batch\[2\]`: 3"):
+        step(model, state, (x, y, jnp.ones(3)))
 
 
 def test_curvature_from_a_sub_batch():

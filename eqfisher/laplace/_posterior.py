@@ -525,16 +525,24 @@ def fit(
             f"{registered.family.name!r}), whose likelihood is {expected!r}; pass "
             f"`likelihood={expected!r}`."
         )
-    curv = curvature(
-        loss_fn,
-        model,
-        batch,
-        estimator=estimator,
-        structure=structure,
-        where=where,
-        key=key,
-        examples=examples,
-    )
+    try:
+        curv = curvature(
+            loss_fn,
+            model,
+            batch,
+            estimator=estimator,
+            structure=structure,
+            where=where,
+            key=key,
+            examples=examples,
+        )
+    except (ValueError, TypeError) as e:
+        e.add_note(
+            "(from `eqfisher.laplace.fit`, which passes its `loss_fn`, `model`, "
+            "`batch`, `estimator`, `structure`, `where`, `key` and `examples` to "
+            "`eqfisher.curvature`)"
+        )
+        raise
     # N·C + δI is built here from the mean loss's curvature: a loss already
     # multiplied by N (or any factor) would count it twice.
     coefficient = jnp.sum(registered.coefficient)  # over a `vmap`'s lanes

@@ -80,6 +80,19 @@ def _leading(batch: PyTree, size: int | None) -> PyTree:
                 "`curvature_batch_size=None` (a BatchNorm state carried in the "
                 "batch needs it)."
             )
+    sizes = {
+        jax.tree_util.keystr(path): jnp.shape(x)[0]
+        for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+    }
+    if len(set(sizes.values())) > 1:
+        shown = ", ".join(f"`batch{p}`: {n}" for p, n in sizes.items())
+        raise ValueError(
+            "`eqfisher.optim.kfac_step(..., curvature_batch_size=...)` takes the "
+            "first examples of every leaf of `batch`, but its leaves' leading sizes "
+            f"differ ({shown}): a leaf shared by every example (a table, a "
+            "schedule) would be cut too. Close over it in `loss_fn` or keep it in "
+            "the model instead, or use `curvature_batch_size=None`."
+        )
     return jax.tree_util.tree_map(lambda x: x[:size], batch)
 
 

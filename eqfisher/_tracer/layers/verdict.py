@@ -169,7 +169,10 @@ def _partner_reasons(cands, graph: Graph, verdict: Verdict) -> Verdict:
 
 
 def judge(cands: Sequence[Candidate], graph: Graph) -> Verdict:
-    tied, verdict = _ties(cands)
+    # Only applications whose outputs reach a loss tie: a use of the weight that
+    # carries no curvature (a Jacobian in `aux`, a derivative under `stop_hessian`)
+    # would otherwise untie the layer, which lost its Kronecker block silently.
+    tied, verdict = _ties([c for c in cands if id(c.outputs) in graph.reach])
     verdict = _outside_uses(cands, tied, graph, verdict)
     verdict = _stack_uses(cands, graph, verdict)
     verdict = _unused_declarations(cands, graph, verdict)
