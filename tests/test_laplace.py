@@ -754,6 +754,27 @@ def test_fit_refuses_a_mask_of_sum_zero_as_curvature_does():
         )
 
 
+def test_fit_names_itself_when_its_curvature_refuses():
+    # A `where=` that selects nothing was refused as `eqfisher.curvature`'s, a call
+    # the user never made.
+    model = make_model()
+    x = jax.random.normal(jax.random.key(1), (6, D_IN), jnp.float64)
+
+    def loss(m, batch):
+        return ef.softmax_cross_entropy(jax.vmap(m)(batch[0]), batch[1])
+
+    with pytest.raises(ValueError, match="no parameter selected") as info:
+        ef.laplace.fit(
+            loss,
+            model,
+            (x, jnp.arange(6) % D_OUT),
+            likelihood="classification",
+            structure=ef.Diagonal(),
+            where=ef.filters.by_path("adapter*"),
+        )
+    assert any("eqfisher.laplace.fit" in note for note in info.value.__notes__)
+
+
 class _BatchNormNet(eqx.Module):
     l1: eqx.nn.Linear
     bn: eqx.nn.BatchNorm
