@@ -372,3 +372,19 @@ def test_a_derivative_of_the_model_outside_the_curvature_keeps_k_fac():
     for got in (kfac(with_aux, has_aux=True), kfac(penalised)):
         assert {type(b) for b in got.blocks.values()} == {ef.blocks.KroneckerFactored}
         np.testing.assert_allclose(got.as_matrix(), expected.as_matrix(), rtol=1e-12)
+
+
+def test_a_registered_jacobian_penalty_is_named_as_the_untying_use():
+    # The penalty's tangent `W @ dx` applies each weight again without its bias;
+    # the reason said to tie the biases, which the model cannot.
+    model = eqx.nn.MLP(3, 2, 5, 1, activation=jnp.tanh, key=jax.random.key(0))
+    batch = (jax.random.normal(jax.random.key(1), (4, 3)), jnp.arange(4) % 2)
+
+    def loss_fn(m, b):
+        tangents = jax.vmap(lambda q: jax.jvp(m, (q,), (jnp.ones(3),))[1])(b[0])
+        fit = ef.softmax_cross_entropy(jax.vmap(m)(b[0]), b[1])
+        return fit + 0.1 * ef.squared_error(tangents, jnp.zeros_like(tangents))
+
+    report = str(ef.find_layers(loss_fn, model, batch))
+    assert "tied between 3 dense layers" in report
+    assert "a derivative of the model (a `jax.jvp`" in report

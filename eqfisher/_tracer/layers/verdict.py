@@ -59,10 +59,17 @@ def _untied(users: Sequence[Candidate]) -> str:
     biases = {None if c.bias is None else c.bias.index for c in users}
     layouts = {_tie_key(c)[:2] + _tie_key(c)[3:] for c in users}
     if same_kind and len(layouts) == 1 and len(biases) > 1:
+        derivative = (
+            "; one application has no bias, as a derivative of the model (a "
+            "`jax.jvp` or Jacobian penalty in the loss) applies the weight "
+            "again without it"
+            if None in biases
+            else ""
+        )
         return (
             f"a weight tied between {n} {kind.name} layers that have biases of "
             "their own: a tied layer is one weight and one bias, so these are "
-            "not one layer (tie the biases too, or leave them out)"
+            f"not one layer (tie the biases too, or leave them out){derivative}"
         )
     return f"used by {n} layers of different kinds or layouts (shared or tied weights)"
 
