@@ -6,6 +6,7 @@ from typing import ClassVar
 
 import equinox as eqx
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import lineax as lx
 import optax
@@ -97,20 +98,27 @@ class MatrixFreeOperator(lx.AbstractLinearOperator):
         """lineax's tags of the matrix."""
 
     @abc.abstractmethod
-    def linearise_at(
+    def product_at(
         self, loss_fn: Callable, model: PyTree, batch: PyTree
-    ) -> lx.FunctionLinearOperator:
-        """The product at `model` and `batch`, the model linearised once."""
+    ) -> Callable[[PyTree], PyTree]:
+        """The product `v -> M v` at `model` and `batch`, the model linearised
+        once."""
 
     def check(self, loss_fn: Callable, model: PyTree, batch: PyTree) -> None:
         """Refuses a `loss_fn` this matrix is not defined for, when the operator is
         built. (None to check by default.)"""
 
-    def linearised(self) -> lx.FunctionLinearOperator:
-        """The product with the model linearised once: `lineax.linearise(self)`."""
+    def product(self) -> Callable[[PyTree], PyTree]:
+        """`v -> M v`, the model linearised once."""
         model = eqx.combine(self.params, self.model_arrays, self.model_static)
         batch = eqx.combine(self.batch_arrays, self.batch_static)
-        return self.linearise_at(self.loss_fn, model, batch)
+        return self.product_at(self.loss_fn, model, batch)
+
+    def linearised(self) -> lx.FunctionLinearOperator:
+        """The product with the model linearised once: `lineax.linearise(self)`."""
+        return lx.FunctionLinearOperator(
+            self.product(), _structure(self.params), tags=self.tags()
+        )
 
     def mv(self, vector: PyTree) -> PyTree:
         """The product, the model linearised for it (see `lineax.linearise`)."""
@@ -161,7 +169,7 @@ class _OutputProduct(MatrixFreeOperator):
     def check(self, loss_fn, model, batch) -> None:
         _staged(self.caller, loss_fn, model, batch)
 
-    def linearise_at(self, loss_fn, model, batch) -> lx.FunctionLinearOperator:
+    def product_at(self, loss_fn, model, batch) -> Callable[[PyTree], PyTree]:
         s = split(model, batch)
         processed = StagedLoss(loss_fn, self.caller).stage(s, layers=False)
         coefs = processed.coefficients(s.inputs)
@@ -188,7 +196,7 @@ class _OutputProduct(MatrixFreeOperator):
             jv = jvp_fn(v)
             return vjp_fn(tuple(self.weigh(loss, t) for loss, t in zip(losses, jv)))[0]
 
-        return lx.FunctionLinearOperator(mv, _structure(params), tags=self.tags())
+        return mv
 
 
 class _GGN(_OutputProduct):
@@ -218,14 +226,11 @@ class _Hessian(MatrixFreeOperator):
     def tags(self) -> frozenset:
         return frozenset({lx.symmetric_tag})
 
-    def linearise_at(self, loss_fn, model, batch) -> lx.FunctionLinearOperator:
+    def product_at(self, loss_fn, model, batch) -> Callable[[PyTree], PyTree]:
         params, static = eqx.partition(model, eqx.is_inexact_array)
 
         def grad(p):
             return jax.grad(lambda q: loss_fn(eqx.combine(q, static), batch))(p)
-
-        def operator(hvp) -> lx.FunctionLinearOperator:
-            return lx.FunctionLinearOperator(hvp, _structure(params), tags=self.tags())
 
         def reverse_over_reverse(v):
             return jax.grad(lambda q: optax.tree_utils.tree_vdot(grad(q), v))(params)
@@ -236,7 +241,7 @@ class _Hessian(MatrixFreeOperator):
         if not calls_custom_vjp(
             lambda p: loss_fn(eqx.combine(p, static), batch), params
         ):
-            return operator(jax.linearize(grad, params)[1])
+            return jax.linearize(grad, params)[1]
         # JAX has no forward mode through most custom rules' gradients ("can't
         # apply forward-mode autodiff (jvp) to a custom_vjp function", when the
         # product runs): reverse over reverse (the custom rule differentiated),
@@ -252,8 +257,8 @@ class _Hessian(MatrixFreeOperator):
                 jax.eval_shape(forward_over_reverse, params)
             except Exception:
                 raise error from None
-            return operator(forward_over_reverse)
-        return operator(reverse_over_reverse)
+            return forward_over_reverse
+        return reverse_over_reverse
 
 
 # Compiled (to nothing), so that an operator built again for a new batch of the
@@ -266,15 +271,21 @@ def _staged(caller: str, loss_fn: Callable, model: PyTree, batch: PyTree) -> Non
 
 # Compiled, so that an operator used eagerly traces `loss_fn` once per shapes and
 # `loss_fn`, not at every call (and runs one program, not one per operation);
-# inside a caller's `jit` they are inlined.
+# inside a caller's `jit` they are inlined. The raw product, not a
+# `lx.FunctionLinearOperator` of it: that one's shape check enters Equinox's
+# cache, which then holds this trace's tracers (`jax.checking_leaks()` failed).
 @eqx.filter_jit
 def _product(operator: MatrixFreeOperator, vector: PyTree) -> PyTree:
-    return operator.linearised().mv(vector)
+    return operator.product()(vector)
 
 
 @eqx.filter_jit
 def _dense(operator: MatrixFreeOperator) -> Array:
-    return operator.linearised().as_matrix()
+    """The matrix, one product per unit vector (its columns)."""
+    flat, unravel = jax.flatten_util.ravel_pytree(operator.params)
+    product = operator.product()
+    rows = jax.vmap(lambda e: jax.flatten_util.ravel_pytree(product(unravel(e)))[0])
+    return rows(jnp.eye(flat.size, dtype=flat.dtype)).T
 
 
 def _register(cls: type) -> None:

@@ -6,6 +6,7 @@ import sys
 
 import equinox as eqx
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -41,6 +42,22 @@ def test_kfac_step_runs_under_debug_nans_infs_and_a_transfer_guard():
     assert losses[-1] < losses[0] <= float(first[0])
 
 
+def test_kfac_adaptive_runs_under_debug_nans_from_its_first_step():
+    # Its state's `rho` was NaN until the first adaptation, an output of every
+    # step before it: `jax.debug_nans` stopped a healthy run at step 1.
+    model, batch = problem()
+    opt = ef.optim.kfac_adaptive(like=like(), initial_damping=1.0, adapt_every=2)
+    step = ef.optim.kfac_step(loss_fn, opt, estimator=ef.GGN(), structure=ef.KFAC())
+    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    assert float(state.steps.rho) == 1.0
+    with jax.debug_nans(True), jax.debug_infs(True):
+        model, state, first = step(model, state, batch)
+        for _ in range(3):
+            model, state, loss = step(model, state, batch)
+    assert float(loss) < float(first)
+    assert np.isfinite(float(state.steps.rho)) and float(state.steps.rho) != 1.0
+
+
 def test_curvature_under_disable_jit_equals_the_compiled_one():
     """Run op by op (`jax.disable_jit()`), the tracer still reads the layers from
     the jaxpr, and every structure equals the compiled computation's."""
@@ -71,4 +88,14 @@ def test_no_tracer_leaks():
         value, _, _ = ef.value_grad_and_curvature(
             loss_fn, estimator=ef.FisherMC(), structure=ef.KFAC()
         )(model, batch, key=jax.random.key(0))
+        # The operators' shape check entered Equinox's cache with their traces.
+        grads = eqx.filter(model, eqx.is_inexact_array)
+        ggn = ef.ggn_operator(loss_fn, model, batch)
+        product, matrix = ggn.mv(grads), ggn.as_matrix()
+        hessian = ef.hessian_operator(loss_fn, model, batch).as_matrix()
     assert np.isfinite(float(curvature.trace())) and np.isfinite(float(value))
+    flat = jax.flatten_util.ravel_pytree(grads)[0]
+    np.testing.assert_allclose(
+        jax.flatten_util.ravel_pytree(product)[0], matrix @ flat, rtol=1e-10
+    )
+    np.testing.assert_allclose(hessian, hessian.T, rtol=1e-8, atol=1e-12)

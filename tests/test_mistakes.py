@@ -1217,3 +1217,22 @@ def test_a_layer_with_no_outputs_is_refused_by_name(structure):
     ).as_matrix()
     np.testing.assert_allclose(head, alone, rtol=1e-12, atol=1e-15)
     assert np.abs(alone).max() > 1e-3
+
+
+def test_float64_arrays_after_x64_is_turned_off_are_refused():
+    # Made with x64 on, used with it off: GGN's own shape check blamed
+    # `GGN.output_vectors`, a relu model failed inside JAX's custom JVP rule.
+    model = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0))  # float64 (x64 is on)
+    batch = (jax.random.normal(jax.random.key(1), (4, 3)), jnp.arange(4) % 2)
+
+    def loss_fn(m, b):
+        return ef.softmax_cross_entropy(jax.vmap(m)(b[0]), b[1])
+
+    jax.config.update("jax_enable_x64", False)
+    try:
+        with pytest.raises(TypeError, match=r"holds float64 arrays.*jax_enable_x64"):
+            ef.curvature(
+                loss_fn, model, batch, estimator=ef.GGN(), structure=ef.Dense()
+            )
+    finally:
+        jax.config.update("jax_enable_x64", True)

@@ -465,6 +465,7 @@ class StagedLoss:
     def stage(self, s: Split, *, layers: bool = True) -> LossProgram:
         refuse_shard_map(self.caller, s.inputs)
         refuse_explicit_axes(self.caller, s.inputs)
+        refuse_uncanonical(self.caller, s.inputs)
         key = (s.key, current_config(), layers)
         cached = self.cache.get(key)
         if cached is not None:
@@ -516,6 +517,28 @@ def refuse_explicit_axes(caller: str, leaves: Sequence[Any]) -> None:
             "`jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) "
             "* len(names))` (docs/scale.md), or call eqfisher inside "
             "`jax.sharding.auto_axes(f, out_sharding=P())`."
+        )
+
+
+def refuse_uncanonical(caller: str, leaves: Sequence[Any]) -> None:
+    """Refuses floating-point arrays of a dtype JAX no longer computes in: float64
+    arrays made while `jax_enable_x64` was on, used after it was turned off. JAX
+    computes their derivatives in float32, which the curvature's own arrays
+    would not match."""
+    wide = sorted(
+        {
+            str(x.dtype)
+            for x in leaves
+            if eqx.is_inexact_array(x)
+            and jax.dtypes.canonicalize_dtype(x.dtype) != x.dtype
+        }
+    )
+    if wide:
+        raise TypeError(
+            f"`{caller}`: the model or batch holds {', '.join(wide)} arrays, but "
+            "`jax_enable_x64` is off (they were made while it was on). Turn it on "
+            "again (`jax.config.update('jax_enable_x64', True)`) before this "
+            "call, or cast the model and batch to 32-bit dtypes."
         )
 
 

@@ -452,6 +452,19 @@ def _registered(loss_fn: Callable, model: PyTree, batch: PyTree) -> tuple:
     return loss_tags_jvp(loss_fn)(model, batch, zeros)[0]
 
 
+def _fit_curvature(loss_fn, model, batch, **options) -> Curvature:
+    """`eqfisher.curvature` for `fit`, whose refusals then name `fit` too."""
+    try:
+        return curvature(loss_fn, model, batch, **options)
+    except (ValueError, TypeError) as e:
+        e.add_note(
+            "(from `eqfisher.laplace.fit`, which passes its `loss_fn`, `model`, "
+            "`batch`, `estimator`, `structure`, `where`, `key` and `examples` to "
+            "`eqfisher.curvature`)"
+        )
+        raise
+
+
 def fit(
     loss_fn: Callable[[PyTree, PyTree], Float[Array, ""]],
     model: PyTree,
@@ -525,24 +538,16 @@ def fit(
             f"{registered.family.name!r}), whose likelihood is {expected!r}; pass "
             f"`likelihood={expected!r}`."
         )
-    try:
-        curv = curvature(
-            loss_fn,
-            model,
-            batch,
-            estimator=estimator,
-            structure=structure,
-            where=where,
-            key=key,
-            examples=examples,
-        )
-    except (ValueError, TypeError) as e:
-        e.add_note(
-            "(from `eqfisher.laplace.fit`, which passes its `loss_fn`, `model`, "
-            "`batch`, `estimator`, `structure`, `where`, `key` and `examples` to "
-            "`eqfisher.curvature`)"
-        )
-        raise
+    curv = _fit_curvature(
+        loss_fn,
+        model,
+        batch,
+        estimator=estimator,
+        structure=structure,
+        where=where,
+        key=key,
+        examples=examples,
+    )
     # N·C + δI is built here from the mean loss's curvature: a loss already
     # multiplied by N (or any factor) would count it twice.
     coefficient = jnp.sum(registered.coefficient)  # over a `vmap`'s lanes

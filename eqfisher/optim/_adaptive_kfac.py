@@ -27,8 +27,8 @@ class AdaptiveKFACState(NamedTuple):
     - `kfac`: the `KFACState` (averaged curvature, cached inverse, counters).
     - `steps`: the step rule's: `damping` (the current $\lambda$), `previous` (the
       last update), `count`, and `rho` (the reduction ratio of the last
-      adaptation: NaN before the first, and after a step of zero length, where it
-      is 0/0).
+      adaptation: 1 before the first; a step of zero length, which tests
+      nothing, keeps it and the damping).
 
     !!! Example
 

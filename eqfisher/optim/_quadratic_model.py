@@ -167,9 +167,10 @@ def adaptive_steps(
             return quadratic.loss(params).astype(wide) + 0.5 * weight_decay * squares
 
         def adapt(lam):
-            rho = _reduction_ratio(objective, params, step, reduction)
-            lam = jnp.where(rho > 0.75, lam * omega, lam)
-            lam = jnp.where(rho < 0.25, lam / omega, lam)
+            rho, tested = _reduction_ratio(objective, params, step, reduction)
+            rho = jnp.where(tested, rho, state.rho)
+            lam = jnp.where(tested & (rho > 0.75), lam * omega, lam)
+            lam = jnp.where(tested & (rho < 0.25), lam / omega, lam)
             lam = jnp.clip(lam, min_damping, max_damping)
             dtype = state.damping.dtype
             return jnp.array(lam, dtype=dtype), jnp.array(rho, dtype=dtype)
@@ -216,7 +217,7 @@ def _initial_state(params: PyTree, initial_damping: float | int) -> AdaptiveStat
         jnp.asarray(initial_damping, dtype),
         jax.tree.map(jnp.zeros_like, params),
         jnp.zeros((), jnp.int32),
-        jnp.asarray(jnp.nan, dtype),
+        jnp.asarray(1.0, dtype),  # (no NaN in the state: `jax.debug_nans`)
     )
 
 
@@ -240,7 +241,11 @@ def _coefficients(gram: Array, b: Array) -> tuple[Array, Array]:
 
 def _reduction_ratio(
     objective: Callable, params: PyTree, step: PyTree, reduction
-) -> Array:
-    """ρ: the objective's change by `step` over the quadratic model's."""
+) -> tuple[Array, Array]:
+    """ρ, the objective's change by `step` over the quadratic model's, and whether
+    the step tests the model at all: one of zero length does not (and its 0/0
+    would stop a healthy run under `jax.debug_nans`)."""
+    tested = reduction != 0
     new_params = jax.tree.map(lambda p, s: p + s, params, step)
-    return (objective(new_params) - objective(params)) / reduction
+    change = objective(new_params) - objective(params)
+    return change / jnp.where(tested, reduction, 1), tested
