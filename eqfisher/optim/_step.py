@@ -61,6 +61,7 @@ def _leading(batch: PyTree, size: int | None) -> PyTree:
     """The first `size` examples of every leaf of `batch` (all when `None`)."""
     if size is None:
         return batch
+    sizes = {}  # each leaf's leading size, by its place in `batch`
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
         where = f"`batch{jax.tree_util.keystr(path)}`"
         if not eqx.is_array_like(x):
@@ -80,12 +81,9 @@ def _leading(batch: PyTree, size: int | None) -> PyTree:
                 "`curvature_batch_size=None` (a BatchNorm state carried in the "
                 "batch needs it)."
             )
-    sizes = {
-        jax.tree_util.keystr(path): jnp.shape(x)[0]
-        for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
-    }
+        sizes[where] = jnp.shape(x)[0]
     if len(set(sizes.values())) > 1:
-        shown = ", ".join(f"`batch{p}`: {n}" for p, n in sizes.items())
+        shown = ", ".join(f"{where}: {n}" for where, n in sizes.items())
         raise ValueError(
             "`eqfisher.optim.kfac_step(..., curvature_batch_size=...)` takes the "
             "first examples of every leaf of `batch`, but its leaves' leading sizes "
